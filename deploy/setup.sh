@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv/ at the
+# repository root and installs dspark_ray into it, editable.
+#
+#   bash deploy/setup.sh           # runtime: serve, offline API, CLI
+#   bash deploy/setup.sh --test    # plus the test tools (pytest, transformers, triton, prometheus)
+#
+# torch is installed first at a pinned version: on the CPU development
+# machines `torch==2.13.0` resolves to a CPU wheel on local disk in seconds; on
+# a CUDA box the same pin takes the CUDA wheel from PyPI. The package's own
+# `torch>=...` range is then already satisfied, so nothing larger is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION="2.13.0"
+PYTHON="${PYTHON:-python3}"
+extras=""
+with_test=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) with_test=1; extras="[test,dashboards]" ;;
+    *) echo "setup.sh: unknown argument '$arg' (use --test or nothing)" >&2; exit 2 ;;
+  esac
+done
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch==$TORCH_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+echo "[setup] installing dspark_ray$extras (editable)"
+"${PIP[@]}" install -e ".$extras"
+
+if [ "$with_test" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
+  # The observability tests scrape Ray's metrics with the real Prometheus server.
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing the prometheus server (Debian package)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "[setup] prometheus not found and cannot apt-get it here: its tests will be skipped" >&2
+  fi
+fi
+echo "[setup] done: $(.venv/bin/python -c 'import torch, ray; print(f"torch {torch.__version__}, ray {ray.__version__}")')"

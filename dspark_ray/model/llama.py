@@ -1,0 +1,228 @@
+"""A decoder-only transformer for the Llama family, in plain PyTorch.
+
+One implementation serves LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm).
+Module names match the Hugging Face checkpoints (``model.layers.N.self_attn.
+q_proj`` ...), so ``state_dict()`` keys are the safetensors keys.
+
+The model holds no cache. Attention is a pluggable callable: the default,
+``CausalAttention``, attends within the sequence it is given (the reference
+path that tests compare against); the engine passes callables that read and
+write its paged target KV or the draft's window cache. Tensor parallelism is a
+transform over this module (``dspark_ray.model.tp``), which is why head counts
+are read from the projection shapes at run time rather than from the config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_ray.model.config import ModelConfig, RopeScaling
+
+
+class Attention(Protocol):
+    """Computes attention for one layer once q/k/v are projected and rotated."""
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [B, T, Hq, D]
+        k: torch.Tensor,  # [B, T, Hkv, D]
+        v: torch.Tensor,  # [B, T, Hkv, D]
+    ) -> torch.Tensor:  # [B, T, Hq, D]
+        ...
+
+
+class CausalAttention:
+    """Full causal attention over the given sequence, optionally windowed."""
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[1]
+        n_rep = q.shape[2] // k.shape[2]
+        qh = q.transpose(1, 2)  # [B, Hq, T, D]
+        kh = k.transpose(1, 2).repeat_interleave(n_rep, dim=1)
+        vh = v.transpose(1, 2).repeat_interleave(n_rep, dim=1)
+        if self.sliding_window is None or self.sliding_window >= t:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        else:
+            mask = causal_window_mask(t, self.sliding_window, q.device)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        return out.transpose(1, 2)
+
+
+def causal_window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
+    """Bool [T, T]: query i sees key j when i - window < j <= i."""
+    i = torch.arange(t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies [D/2] in float32, rescaled as ``rope_scaling`` says."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
+        # and the band between is interpolated smoothly.
+        old_ctx = scaling.original_max_position_embeddings
+        low_wavelen = old_ctx / scaling.low_freq_factor
+        high_wavelen = old_ctx / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(
+    x: torch.Tensor,  # [B, T, H, D]
+    cos: torch.Tensor,  # [B, T, D]
+    sin: torch.Tensor,  # [B, T, D]
+) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, T, D]
+        sin: torch.Tensor,  # [B, T, D]
+        attention: Attention,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Head counts come from the (possibly sharded) projections.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(layer, q, k, v)  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, m, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, m, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(m, d, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, layer: int, x, cos, sin, attention: Attention) -> torch.Tensor:
+        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Token ids in, next-token logits out; ``state_dict()`` uses HF names."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False
+        )
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] for ``positions`` [B, T], computed in float32."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor | None = None,  # [B, T] int64, default 0..T-1
+        attention: Attention | None = None,
+    ) -> torch.Tensor:  # [B, T, hidden], after the final norm
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if attention is None:
+            attention = CausalAttention(self.config.sliding_window)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(i, x, cos, sin, attention)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., V] float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor | None = None,  # [B, T] int64
+        attention: Attention | None = None,
+    ) -> torch.Tensor:  # [B, T, V] float32
+        return self.logits(self.hidden_states(input_ids, positions, attention))

@@ -1,0 +1,149 @@
+"""Loading a local Hugging Face checkpoint into ``CausalLM``.
+
+Reads ``config.json``, then either ``model.safetensors`` or the shards listed
+in ``model.safetensors.index.json``. The module is built on the meta device
+and materialised directly in the requested dtype and device, so no random
+initialisation is ever computed for weights that are about to be overwritten.
+Every failure is a named ``ModelLoadError`` that says what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from dspark_ray.model.config import ModelConfig
+from dspark_ray.model.errors import (
+    CheckpointFileMissing,
+    ModelLoadError,
+    TensorMissing,
+    TensorShapeMismatch,
+    UnsupportedDtype,
+)
+from dspark_ray.model.llama import CausalLM, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Tensors some checkpoints carry that this implementation recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig | None = None) -> torch.dtype:
+    """'auto'/None takes the checkpoint's torch_dtype (float32 if unset)."""
+    if dtype is None or dtype == "auto":
+        dtype = (cfg.torch_dtype if cfg else None) or "float32"
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UnsupportedDtype(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise UnsupportedDtype(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise UnsupportedDtype unless a matmul in ``dtype`` runs on ``device``."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UnsupportedDtype(f"device {device} requested but CUDA is not available; use device='cpu'")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise UnsupportedDtype(f"{device} cannot run bfloat16; use dtype='float16' or 'float32'")
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except (RuntimeError, TypeError) as exc:
+        raise UnsupportedDtype(f"device {device} cannot run {dtype}: {exc}; choose another dtype") from exc
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, in shard order."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointFileMissing(
+                f"{index} lists shards that are not in {path}: {', '.join(missing)}; copy them there"
+            )
+        return [path / s for s in shards]
+    raise CheckpointFileMissing(
+        f"no model.safetensors or model.safetensors.index.json in {path}; "
+        "convert the checkpoint to safetensors (PyTorch .bin files are not loaded)"
+    )
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load(
+    path: str | Path,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+) -> CausalLM:
+    """Load the checkpoint folder at ``path`` as an eval-mode ``CausalLM``.
+
+    Args:
+        path: a local folder with config.json and safetensors weights.
+        dtype: 'float32', 'bfloat16', 'float16', a torch dtype, or 'auto'
+            (the checkpoint's torch_dtype).
+        device: where the weights are placed ('cpu', 'cuda', 'cuda:1', ...).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointFileMissing(f"model path {path} is not a folder; give a local checkpoint folder")
+    cfg = ModelConfig.from_path(path)
+    dtype = resolve_dtype(dtype, cfg)
+    device = torch.device(device)
+    check_device_dtype(device, dtype)
+    files = weight_files(path)
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    _fill_parameters(model, files, path)
+    return model.eval().requires_grad_(False)
+
+
+def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:
+    params = dict(model.named_parameters())
+    pending = set(params)
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
+              disable=None if total > 256 * 2**20 else True) as bar:
+        for name, tensor in iter_tensors(files):
+            bar.update(tensor.numel() * tensor.element_size())
+            if name not in params:
+                if name == "lm_head.weight" and model.lm_head is None or name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
+                    "check that config.json matches the weights"
+                )
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise TensorShapeMismatch(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+                    f"{tuple(param.shape)}; check hidden_size/heads/head_dim in config.json"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            pending.discard(name)
+    if pending:
+        names = sorted(pending)
+        raise TensorMissing(
+            f"checkpoint at {path} lacks {len(names)} tensor(s) the config needs, e.g. {names[0]!r}"
+            + (f" (and {', '.join(repr(n) for n in names[1:4])})" if len(names) > 1 else "")
+        )

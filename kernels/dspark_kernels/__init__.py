@@ -1,0 +1,1 @@
+"""Triton kernels for dspark_ray, each beside its plain-PyTorch reference."""
