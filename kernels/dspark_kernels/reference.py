@@ -1,0 +1,201 @@
+"""Plain-PyTorch references for every kernel in this package.
+
+Each function here defines what its Triton kernel must compute, and is also
+the CPU path: `dspark_kernels.ops` calls these whenever a tensor is not on a
+CUDA device (or the reference backend is forced). They are written for
+clarity and vectorised with torch ops, never with Python loops over tokens.
+
+Layout shared with the slot manager (see DESIGN.md): every per-slot buffer has
+`num_slots + 1` rows and row 0 is the padding row. The draft window cache of
+one layer is a ring per slot, `[num_slots + 1, ring, kv_heads, head_dim]`;
+absolute position `p` lives at ring index `p % ring`. `cache_lengths[slot]`
+counts the positions written in the slot's current epoch, so a slot rebound to
+a new request reads none of its previous owner's ring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Positions below zero mark padding entries throughout.
+PAD_POSITION = -1
+# Token id written after the emitted tokens of a row.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def ring_write(
+    k_cache: torch.Tensor,  # [num_slots + 1, ring, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots + 1, ring, kv_heads, head_dim]
+    slots: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, T] int64, < 0 = padding (skipped)
+    k: torch.Tensor,  # [B, T, kv_heads, head_dim]
+    v: torch.Tensor,  # [B, T, kv_heads, head_dim]
+) -> None:
+    """Scatter a step's new K/V into each slot's ring at `position % ring`."""
+    ring = k_cache.shape[1]
+    rows, cols = torch.nonzero(positions >= 0, as_tuple=True)
+    slot = slots[rows]
+    ring_index = positions[rows, cols] % ring
+    k_cache[slot, ring_index] = k[rows, cols].to(k_cache.dtype)
+    v_cache[slot, ring_index] = v[rows, cols].to(v_cache.dtype)
+
+
+def window_attention(
+    q: torch.Tensor,  # [B, T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots + 1, ring, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots + 1, ring, kv_heads, head_dim]
+    slots: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, T] int64 query positions, < 0 = padding
+    cache_lengths: torch.Tensor,  # [num_slots + 1] int64
+    window: int,
+    scale: float,
+) -> torch.Tensor:  # [B, T, num_heads, head_dim], q.dtype
+    """Sliding-window attention of each query over its slot's ring.
+
+    A query at position p attends to key positions kp with
+    max(0, p - window + 1) <= kp <= p and kp < cache_lengths[slot]. Padding
+    queries (p < 0) and queries with no visible key produce zeros.
+
+    NOTE: ring index r holds, for a query at p, the latest position
+    kp <= p with kp % ring == r, i.e. kp = p - ((p - r) mod ring). Because
+    window <= ring that is the only candidate inside the window, so the mask
+    over ring indices is exact. Ring entries never written in the current
+    epoch (r >= cache_length) are zeroed before use so that stale or poisoned
+    (NaN) contents cannot leak through a zero attention weight.
+    """
+    B, T, num_heads, head_dim = q.shape
+    ring, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kv_heads
+
+    length = cache_lengths[slots]  # [B]
+    ring_index = torch.arange(ring, device=q.device)  # [ring]
+    live = ring_index[None, :] < length[:, None]  # [B, ring]
+    k = torch.where(live[:, :, None, None], k_cache[slots].float(), 0.0)  # [B, ring, kvh, D]
+    v = torch.where(live[:, :, None, None], v_cache[slots].float(), 0.0)  # [B, ring, kvh, D]
+    k = k.repeat_interleave(group, dim=2)  # [B, ring, H, D]
+    v = v.repeat_interleave(group, dim=2)  # [B, ring, H, D]
+
+    p = positions[:, :, None]  # [B, T, 1]
+    key_pos = p - torch.remainder(p - ring_index, ring)  # [B, T, ring]
+    visible = (
+        (p >= 0)
+        & (key_pos >= 0)
+        & (key_pos > p - window)
+        & (key_pos < length[:, None, None])
+    )  # [B, T, ring]
+
+    scores = torch.einsum("bthd,brhd->bhtr", q.float(), k) * scale  # [B, H, T, ring]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    any_visible = visible.any(dim=-1)  # [B, T]
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+    out = torch.einsum("bhtr,brhd->bthd", weights, v)  # [B, T, H, D]
+    out = torch.where(any_visible[:, :, None, None], out, 0.0)
+    return out.to(q.dtype)
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64 in 0..K
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32
+    target_logits: torch.Tensor,  # [B, K + 1, V] float32
+    target_probs: torch.Tensor | None,  # [B, K + 1, V] float32
+    is_greedy: torch.Tensor,  # [B] bool
+    uniforms: torch.Tensor,  # [B, K] float32 in [0, 1)
+    recovery_noise: torch.Tensor,  # [B, K + 1, V] float32, Exponential(1)
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, K + 1] int64, [B] int64)
+    """Speculative acceptance (Leviathan et al. 2023), see ops.rejection_sample."""
+    B, K = draft_token_ids.shape
+    V = target_logits.shape[-1]
+    device = draft_token_ids.device
+    steps = torch.arange(K, device=device)  # [K]
+    in_range = (draft_token_ids >= 0) & (draft_token_ids < V)  # [B, K]
+    tokens = draft_token_ids.clamp(0, V - 1)  # [B, K]
+
+    target_argmax = target_logits.argmax(dim=-1)  # [B, K + 1]
+    accept = in_range & (tokens == target_argmax[:, :K])  # [B, K] greedy rule
+    if target_probs is not None and K > 0:
+        assert draft_probs is not None
+        p = target_probs[:, :K].gather(-1, tokens[..., None])[..., 0]  # [B, K]
+        q = draft_probs.gather(-1, tokens[..., None])[..., 0]  # [B, K]
+        # u < min(1, p/q)  <=>  u * q < p  for u in [0, 1), q >= 0.
+        random_accept = in_range & (uniforms * q < p)
+        accept = torch.where(is_greedy[:, None], accept, random_accept)
+    accept &= steps[None, :] < num_draft_tokens[:, None]
+    # Accepted drafts are a prefix: count until the first rejection.
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    emit_pos = num_accepted  # [B] where the recovered / bonus token goes
+
+    emitted = target_argmax.gather(1, emit_pos[:, None])[:, 0]  # [B] greedy
+    if target_probs is not None:
+        random_token = _sample_emitted(
+            emit_pos, num_draft_tokens, draft_probs, target_probs, recovery_noise
+        )
+        emitted = torch.where(is_greedy, emitted, random_token)
+
+    out = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    out[:, :K] = torch.where(steps[None, :] < num_accepted[:, None], draft_token_ids, out[:, :K])
+    out.scatter_(1, emit_pos[:, None], emitted[:, None])
+    return out, num_accepted
+
+
+def _sample_emitted(
+    emit_pos: torch.Tensor,  # [B] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32
+    target_probs: torch.Tensor,  # [B, K + 1, V] float32
+    recovery_noise: torch.Tensor,  # [B, K + 1, V] float32
+) -> torch.Tensor:  # [B] int64
+    """Recovered token from norm(max(0, p - q)) or bonus token from p.
+
+    Sampling is the exponential race argmax(dist / noise), which picks index i
+    with probability dist_i / sum(dist) without normalising. If the residual
+    is identically zero (p == q up to rounding, so rejection had probability
+    zero) the target distribution itself is used.
+    """
+    B, _, V = target_probs.shape
+    index = emit_pos[:, None, None].expand(B, 1, V)  # [B, 1, V]
+    p = target_probs.gather(1, index)[:, 0]  # [B, V]
+    noise = recovery_noise.gather(1, index)[:, 0]  # [B, V]
+    is_bonus = emit_pos >= num_draft_tokens  # [B]
+    if draft_probs is None or draft_probs.shape[1] == 0:
+        dist = p
+    else:
+        q_index = emit_pos.clamp(max=draft_probs.shape[1] - 1)[:, None, None].expand(B, 1, V)
+        q = draft_probs.gather(1, q_index)[:, 0]  # [B, V]
+        residual = (p - q).clamp(min=0.0)  # [B, V]
+        use_residual = ~is_bonus & (residual > 0).any(dim=-1)  # [B]
+        dist = torch.where(use_residual[:, None], residual, p)
+    return (dist / noise).argmax(dim=-1)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V] float
+    temperature: torch.Tensor,  # [N] float, > 0
+    top_k: torch.Tensor,  # [N] int64, <= 0 or >= V disables
+    top_p: torch.Tensor,  # [N] float in (0, 1], 1 disables
+) -> torch.Tensor:  # [N, V] float32
+    """Processed sampling distribution: temperature, then top-k, then top-p.
+
+    Rows with temperature 0 are greedy and must not be passed here. Top-k
+    keeps every token tied with the k-th largest logit; top-p keeps the
+    smallest prefix of the sorted distribution whose mass reaches top_p
+    (always at least the most likely token).
+    """
+    N, V = logits.shape
+    scaled = logits.float() / temperature.float()[:, None]  # [N, V]
+    sorted_logits, _ = scaled.sort(dim=-1, descending=True)  # [N, V]
+
+    k = torch.where((top_k <= 0) | (top_k >= V), V, top_k).clamp(min=1)  # [N]
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
+    keep = scaled >= kth  # [N, V]
+
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(
+        torch.arange(V, device=logits.device)[None, :] >= k[:, None], float("-inf")
+    ), dim=-1)  # [N, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+    in_nucleus = mass_before < top_p.float()[:, None]  # [N, V]
+    # Smallest logit still inside the nucleus (rank 0 is always inside).
+    last = in_nucleus.sum(dim=-1, keepdim=True) - 1  # [N, 1]
+    threshold = sorted_logits.gather(1, last)  # [N, 1]
+    keep &= scaled >= threshold
+    return torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
