@@ -1,0 +1,180 @@
+"""``SlotManager``: the application's one slot registry, as a named Ray actor.
+
+A thin shim: every method is one batched ``SlotRegistry`` call (a step's
+admissions are one ``allocate_many``, its releases one ``release_many``)
+followed by a metrics update. The per-token path never calls it; the
+row-to-slot mapping of a step is a local lookup on the leases it returned.
+
+Recovery: the actor restarts with an empty registry. Each owner (a server
+replica) then calls ``restore`` with the leases it still holds and
+``reconcile`` with the request ids it still runs. Epochs of the new registry
+start from the wall clock in microseconds, above anything the previous
+incarnation could have issued (unless it allocated more than a million slots
+per second), so a consumer holding per-slot state from before the crash never
+mistakes a new hold for an old one.
+
+Retrying a call is safe (allocate of a live id returns its lease, releases
+carry epochs, restore of an installed lease is a no-op), but the actor is
+started without automatic task retries: an allocation replayed on a fresh
+registry before the owners restored could take a slot that one of them still
+holds, and ``restore`` would then raise ``SlotConflict``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from .registry import SlotCounters, SlotLease, SlotRegistry, SlotSnapshot
+
+_HOLD_TIME_BOUNDARIES_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600]
+
+
+def slot_manager_name(app_name: str = "") -> str:
+    """The Ray actor name of an application's slot manager."""
+    return f"dspark:{app_name}:slot-manager" if app_name else "dspark:slot-manager"
+
+
+class _SlotMetrics:
+    """The slot manager's Prometheus metrics, exported through Ray (names gain a ``ray_`` prefix)."""
+
+    def __init__(self, app_name: str, capacity: int) -> None:
+        self.in_use = Gauge("dspark_slot_in_use", "Slots held by live requests.", tag_keys=("app",))
+        self.capacity = Gauge("dspark_slot_capacity", "Usable slots (1..capacity).", tag_keys=("app",))
+        self.allocations = Counter("dspark_slot_allocations", "Slots handed out.", tag_keys=("app",))
+        self.releases = Counter("dspark_slot_releases", "Slots freed.", tag_keys=("app",))
+        self.stale_releases = Counter(
+            "dspark_slot_stale_releases",
+            "Releases of unknown ids or old epochs (retries, late messages); nothing freed.",
+            tag_keys=("app",),
+        )
+        self.exhausted = Counter(
+            "dspark_slot_exhausted", "Allocation calls refused for lack of slots.", tag_keys=("app",)
+        )
+        self.hold_time = Histogram(
+            "dspark_slot_hold_time_seconds",
+            "Seconds from allocation (or restore) to release of a slot.",
+            boundaries=_HOLD_TIME_BOUNDARIES_S,
+            tag_keys=("app",),
+        )
+        tags = {"app": app_name or "default"}
+        for metric in self._all():
+            metric.set_default_tags(tags)
+        self.capacity.set(capacity)
+        self._published = SlotCounters()
+
+    def _all(self) -> list[Gauge | Counter | Histogram]:
+        return [
+            self.in_use, self.capacity, self.allocations, self.releases,
+            self.stale_releases, self.exhausted, self.hold_time,
+        ]  # fmt: skip
+
+    def observe_release(self, lease: SlotLease, held_s: float) -> None:
+        self.hold_time.observe(held_s)
+
+    def publish(self, in_use: int, counters: SlotCounters) -> None:
+        """Sets the gauge and advances each counter by what happened since the last call."""
+        self.in_use.set(in_use)
+        last = self._published
+        for counter, delta in (
+            (self.allocations, counters.allocations - last.allocations),
+            (self.releases, counters.releases - last.releases),
+            (self.stale_releases, counters.stale_releases - last.stale_releases),
+            (self.exhausted, counters.exhausted - last.exhausted),
+        ):
+            if delta:
+                counter.inc(delta)
+        self._published = counters
+
+
+class SlotManager:
+    """The slot registry of one application, with metrics; run it as a Ray actor.
+
+    Args:
+        capacity: usable slots ``1..capacity``.
+        app_name: tags the metrics; also part of the actor name.
+        first_epoch: first epoch to issue; by default the wall clock in
+            microseconds, so epochs keep growing across actor restarts.
+    """
+
+    def __init__(self, capacity: int, app_name: str = "", first_epoch: int | None = None) -> None:
+        if first_epoch is None:
+            first_epoch = time.time_ns() // 1000
+        self._metrics = _SlotMetrics(app_name, capacity)
+        self._registry = SlotRegistry(
+            capacity,
+            first_epoch=first_epoch,
+            on_release=self._metrics.observe_release,
+        )
+
+    def allocate_many(self, req_ids: list[str], owner: str = "") -> list[SlotLease]:
+        """``SlotRegistry.allocate_many``: all or nothing, raises ``SlotsExhausted``."""
+        try:
+            return self._registry.allocate_many(req_ids, owner)
+        finally:
+            self._publish()
+
+    def release_many(self, req_ids_with_epochs: list[tuple[str, int | None]]) -> list[bool]:
+        """``SlotRegistry.release_many``: one bool per ``(req_id, epoch)``, True when freed."""
+        try:
+            return self._registry.release_many(req_ids_with_epochs)
+        finally:
+            self._publish()
+
+    def reconcile(self, owner: str, live_req_ids: Iterable[str]) -> list[SlotLease]:
+        """``SlotRegistry.reconcile``: frees ``owner``'s leases not in ``live_req_ids``."""
+        try:
+            return self._registry.reconcile(owner, live_req_ids)
+        finally:
+            self._publish()
+
+    def restore(self, owner: str, leases: list[SlotLease]) -> None:
+        """``SlotRegistry.restore``: re-installs ``owner``'s leases after a restart."""
+        try:
+            self._registry.restore(owner, leases)
+        finally:
+            self._publish()
+
+    def snapshot(self) -> SlotSnapshot:
+        return self._registry.snapshot()
+
+    def _publish(self) -> None:
+        self._metrics.publish(self._registry.in_use(), self._registry.counters())
+
+
+def start_slot_manager(
+    capacity: int,
+    app_name: str = "",
+    *,
+    namespace: str | None = None,
+    detached: bool = False,
+) -> ActorHandle:
+    """Starts the application's slot-manager actor, or returns the running one.
+
+    The actor is named (see ``slot_manager_name``) so the Ray dashboard shows
+    it, needs no CPU, restarts without limit and serves one call at a time.
+    A running actor is returned as is, whatever ``capacity`` it was started with.
+    ``detached`` keeps it alive after the creating process exits.
+    """
+    return (
+        ray.remote(SlotManager)
+        .options(
+            name=slot_manager_name(app_name),
+            namespace=namespace,
+            get_if_exists=True,
+            lifetime="detached" if detached else None,
+            max_restarts=-1,
+            max_concurrency=1,
+            num_cpus=0,
+        )
+        .remote(capacity, app_name)
+    )
+
+
+def get_slot_manager(app_name: str = "", namespace: str | None = None) -> ActorHandle:
+    """The running slot-manager actor of ``app_name``; raises ``ValueError`` if there is none."""
+    return ray.get_actor(slot_manager_name(app_name), namespace=namespace)
