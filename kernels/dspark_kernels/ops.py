@@ -346,6 +346,8 @@ def draw_random(
         rows = torch.tensor(unseeded, device=device)
         uniforms[rows] = torch.rand((len(unseeded), K), device=device)
         noise[rows] = torch.empty((len(unseeded), V), device=device).exponential_()
+    # exponential_ can return exactly 0; 0 / 0 would make the race NaN.
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)
     return uniforms, noise[:, None, :].expand(B, K + 1, V)
 
 
