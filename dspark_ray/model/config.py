@@ -91,8 +91,8 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // num_heads
-        is_llama_like = arch in ("LlamaForCausalLM", "MistralForCausalLM")
-        attn_bias = bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        _check_activation(raw)
+        attn_bias, o_proj_bias, mlp_bias = _biases(arch, raw)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -108,8 +108,8 @@ class ModelConfig:
             rope_scaling=_rope_scaling(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attn_bias,
-            o_proj_bias=attn_bias and is_llama_like,
-            mlp_bias=bool(raw.get("mlp_bias", False)) and is_llama_like,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(arch, raw),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -131,6 +131,25 @@ class ModelConfig:
             return cls.from_dict(raw)
         except KeyError as exc:
             raise ModelLoadError(f"{cfg_file} lacks the required key {exc.args[0]!r}") from exc
+
+
+def _check_activation(raw: dict) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedArchitecture(
+            f"hidden_act {act!r} is not supported; the Llama family uses 'silu'"
+        )
+
+
+def _biases(arch: str, raw: dict) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o_proj bias, MLP bias) as each architecture's HF modeling code builds them."""
+    if arch == "Qwen2ForCausalLM":  # always biased q/k/v, whatever config.json says
+        return True, False, False
+    if arch == "MistralForCausalLM":  # never any bias
+        return False, False, False
+    attn_bias = bool(raw.get("attention_bias", False))  # Llama and Qwen3: q/k/v and o_proj alike
+    mlp_bias = bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
+    return attn_bias, attn_bias, mlp_bias
 
 
 def _rope_theta(raw: dict) -> float:

@@ -112,7 +112,9 @@ def load(
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
-    model.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    # Rotary frequencies stay float32 whatever the weights' dtype: in bfloat16
+    # they carry 3 significant digits and angles drift visibly by position ~100.
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     _fill_parameters(model, files, path)
     return model.eval().requires_grad_(False)
 
