@@ -1,0 +1,137 @@
+"""SlotManager: the named actor in a real local Ray cluster, its metrics, and recovery after a restart."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+import ray
+from ray.exceptions import RayActorError
+
+from dspark_ray.slots import (
+    SlotConflict,
+    SlotLease,
+    SlotsExhausted,
+    get_slot_manager,
+    slot_manager_name,
+    start_slot_manager,
+)
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray that exports metrics every 200 ms (the default is seconds)."""
+    if ray.is_initialized():  # someone else's cluster: use it, leave it running
+        yield
+        return
+    ray.init(
+        num_cpus=2,
+        object_store_memory=100 * 1024 * 1024,
+        include_dashboard=False,
+        namespace="dspark-test-slots",
+        log_to_driver=False,
+        _system_config={"metrics_report_interval_ms": 200},
+    )
+    yield
+    ray.shutdown()
+
+
+def test_batched_calls_through_the_named_actor(cluster):
+    before = time.time_ns() // 1000
+    manager = start_slot_manager(4, app_name="calls")
+    assert slot_manager_name("calls") == "dspark:calls:slot-manager"
+    assert slot_manager_name() == "dspark:slot-manager"
+    assert get_slot_manager("calls") == manager
+
+    a, b, c = ray.get(manager.allocate_many.remote(["a", "b", "c"], "replica-0"))
+    assert [a.slot, b.slot, c.slot] == [1, 2, 3]
+    assert before <= a.epoch < b.epoch < c.epoch  # above anything issued before this actor started
+    assert ray.get(manager.release_many.remote([("b", b.epoch), ("a", a.epoch - 1), ("gone", None)])) == [
+        True,
+        False,
+        False,
+    ]
+    with pytest.raises(SlotsExhausted):
+        ray.get(manager.allocate_many.remote(["d", "e", "f"], "replica-0"))
+    assert ray.get(manager.reconcile.remote("replica-0", ["c"])) == [a]
+
+    snap = ray.get(manager.snapshot.remote())
+    assert (snap.capacity, snap.free) == (4, 3)
+    assert [held.lease for held in snap.live] == [c]
+    counters = snap.counters
+    assert (counters.allocations, counters.releases, counters.stale_releases, counters.exhausted) == (3, 2, 2, 1)
+
+
+def test_metrics_are_exported_through_ray(cluster):
+    manager = start_slot_manager(8, app_name="metrics")
+    leases = ray.get(manager.allocate_many.remote(["a", "b", "c"], "o"))
+    ray.get(manager.release_many.remote([("a", leases[0].epoch), ("a", leases[0].epoch)]))
+    with pytest.raises(SlotsExhausted):
+        ray.get(manager.allocate_many.remote([f"x{i}" for i in range(7)], "o"))
+
+    expected = {
+        "ray_dspark_slot_in_use": 2.0,
+        "ray_dspark_slot_capacity": 8.0,
+        "ray_dspark_slot_allocations_total": 3.0,
+        "ray_dspark_slot_releases_total": 1.0,
+        "ray_dspark_slot_stale_releases_total": 1.0,
+        "ray_dspark_slot_exhausted_total": 1.0,
+        "ray_dspark_slot_hold_time_seconds_count": 1.0,
+    }
+    assert _wait_for_metrics(app="metrics", expected=expected) == expected
+
+
+def _wait_for_metrics(app: str, expected: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
+    """Polls the node's Prometheus endpoint until the app's samples equal ``expected``."""
+    port = ray.nodes()[0]["MetricsExportPort"]
+    sample = re.compile(r'^(\w+)\{[^}]*app="' + re.escape(app) + r'"[^}]*\} (\S+)$', re.MULTILINE)
+    found: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        found = {name: float(value) for name, value in sample.findall(body) if name in expected}
+        if found == expected:
+            break
+        time.sleep(0.2)
+    return found
+
+
+def test_owners_restore_and_reconcile_after_the_actor_restarts(cluster):
+    manager = start_slot_manager(4, app_name="restart")
+    a1, a2, a3 = ray.get(manager.allocate_many.remote(["a1", "a2", "a3"], "A"))
+    (b1,) = ray.get(manager.allocate_many.remote(["b1"], "B"))
+
+    ray.kill(manager, no_restart=False)
+    fresh = _wait_for_the_restarted_actor(manager)
+    assert (fresh.free, fresh.live) == (4, ())
+
+    # A finished a2 while the actor was down: it restores what it held, then reconciles.
+    ray.get(manager.restore.remote("A", [a1, a2, a3]))
+    ray.get(manager.restore.remote("B", [b1]))
+    assert ray.get(manager.reconcile.remote("A", ["a1", "a3"])) == [a2]
+    with pytest.raises(SlotConflict):
+        ray.get(manager.restore.remote("B", [SlotLease("b2", a1.slot, b1.epoch + 1, "B")]))
+
+    snap = ray.get(manager.snapshot.remote())
+    assert [held.lease for held in snap.live] == [a1, a3, b1]  # same slots, same epochs
+    (c1,) = ray.get(manager.allocate_many.remote(["c1"], "B"))
+    assert c1.slot == a2.slot and c1.epoch > b1.epoch
+    assert ray.get(manager.release_many.remote([("a2", a2.epoch)])) == [False]
+
+
+def _wait_for_the_restarted_actor(manager, timeout_s: float = 60.0):
+    """The first snapshot of the new incarnation (``ray.kill`` returns before the old one is gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            snap = ray.get(manager.snapshot.remote(), timeout=10)
+            if snap.counters.allocations == 0:
+                return snap
+        except RayActorError:  # dead or restarting
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the slot manager did not come back after ray.kill")
