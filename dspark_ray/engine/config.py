@@ -1,0 +1,52 @@
+"""EngineConfig: the engine's internal settings (frozen, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """An engine setting is out of range; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local checkpoint folder of the target
+    draft: str | None = None  # local checkpoint folder of the draft; None = no speculation
+    num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
+    draft_window: int = 32  # positions the draft attends to (its ring cache holds window + k)
+    capacity: int = 64  # request slots 1..capacity (row 0 is padding)
+    max_context: int = 1024  # prompt + output tokens per request
+    kv_pool_tokens: int | None = None  # target KV pool size; None = capacity * max_context / 4, at least max_context + k
+    max_num_seqs: int = 32  # requests per step
+    max_num_batched_tokens: int = 4096  # target tokens fed per step
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
+            raise ConfigError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        if self.draft_window < 1:
+            raise ConfigError(f"draft_window must be >= 1, got {self.draft_window}")
+        if self.capacity < 1:
+            raise ConfigError(f"capacity must be >= 1, got {self.capacity}")
+        if self.max_context < 2:
+            raise ConfigError(f"max_context must be >= 2, got {self.max_context}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_context + self.num_speculative_tokens:
+            raise ConfigError(
+                f"kv_pool_tokens ({self.kv_pool_tokens}) must hold one full request: at least "
+                f"max_context + num_speculative_tokens = {self.max_context + self.num_speculative_tokens}"
+            )
+
+    @property
+    def spec_tokens(self) -> int:
+        """k actually used: 0 without a draft."""
+        return self.num_speculative_tokens if self.draft else 0
+
+    @property
+    def kv_tokens(self) -> int:
+        if self.kv_pool_tokens is not None:
+            return self.kv_pool_tokens
+        return max(self.capacity * self.max_context // 4, self.max_context + self.num_speculative_tokens)

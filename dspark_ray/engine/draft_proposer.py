@@ -1,0 +1,162 @@
+"""DraftProposer: the draft model over a per-slot sliding-window ring cache.
+
+For each row it (1) rolls the slot's cache back to ``start`` (rejected
+provisional tokens vanish), (2) catches up on the tokens the target accepted
+since its last call, and (3) drafts ``num_draft`` tokens autoregressively,
+sampling from its own processed distribution q (kept for verification) or
+taking the argmax for greedy rows.
+
+The cache holds only the last ``window + max_spec_tokens`` positions per slot,
+so a long catch-up (a new prompt) runs as one full-sequence windowed forward
+whose last positions are then written to the ring; short catch-ups and the
+drafting steps read and write the ring through ``dspark_kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_kernels import ops
+from dspark_ray.engine.interfaces import Proposal, ProposeRow
+from dspark_ray.engine.verifier import sample_draft_tokens
+from dspark_ray.model.llama import CausalAttention, CausalLM
+from dspark_ray.slots import DraftWindowCache
+
+
+class DraftCacheBehind(RuntimeError):
+    """A row starts past what the slot's draft cache holds (e.g. after a proposer restart)."""
+
+
+class RingAttention:
+    """Attention callable over the window cache: write this step's K/V, then attend."""
+
+    def __init__(self, cache: DraftWindowCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.cache, self.slots, self.positions = cache, slots, positions  # [B], [B, T]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = self.cache
+        c.append(layer, self.slots, self.positions, k.contiguous(), v.contiguous())
+        return ops.window_attention(q.contiguous(), c.k[layer], c.v[layer], self.slots, self.positions,
+                                    c.length, c.window, q.shape[-1] ** -0.5)
+
+
+class RecordingAttention(CausalAttention):
+    """Windowed full-sequence attention that also keeps each layer's K/V."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(window)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, layer, q, k, v):
+        self.kv.append((k, v))
+        return super().__call__(layer, q, k, v)
+
+
+class DraftProposer:
+    def __init__(self, model: CausalLM, capacity: int, window: int, max_spec_tokens: int) -> None:
+        self.model = model
+        cfg = model.config
+        param = next(model.parameters())
+        self.device = param.device
+        kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
+        self.max_spec_tokens = max_spec_tokens
+        self.cache = DraftWindowCache(cfg.num_layers, capacity, window, max_spec_tokens, kv_heads,
+                                      cfg.head_dim, dtype=param.dtype, device=self.device)
+        # A catch-up of this many tokens can go through the ring without overwriting
+        # history that its own first query still needs.
+        self.ring_chunk = self.cache.ring - window + 1
+
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        if not rows:
+            return Proposal([], None)
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
+        self.cache.bind(slots, torch.tensor([r.epoch for r in rows], device=self.device))
+        self._rollback(rows, slots)
+        logits = self._catch_up(rows, slots)  # [B, V] next-token logits
+        return self._draft(rows, slots, logits)
+
+    def _rollback(self, rows: list[ProposeRow], slots: torch.Tensor) -> None:
+        held = self.cache.length[slots].tolist()
+        for r, h in zip(rows, held):
+            if r.start > h:
+                raise DraftCacheBehind(
+                    f"slot {r.slot}: row starts at {r.start} but the draft cache holds {h} positions; "
+                    "resend the request's tokens from position 0"
+                )
+        self.cache.set_length(slots, torch.tensor([r.start for r in rows], device=self.device))
+
+    def _catch_up(self, rows: list[ProposeRow], slots: torch.Tensor) -> torch.Tensor:
+        logits = [None] * len(rows)
+        long = [i for i, r in enumerate(rows) if len(r.token_ids) > self.ring_chunk]
+        for i in long:
+            logits[i] = self._catch_up_long(rows[i])
+        short = [i for i in range(len(rows)) if i not in set(long)]
+        if short:
+            out = self._ring_forward([rows[i].token_ids for i in short], [rows[i].start for i in short],
+                                     slots[short])
+            for j, i in enumerate(short):
+                logits[i] = out[j]
+        return torch.stack(logits)
+
+    def _catch_up_long(self, row: ProposeRow) -> torch.Tensor:  # [V]
+        """Feed a long run of tokens: one windowed forward if the slot is empty, else ring chunks."""
+        if row.start > 0:
+            out, start = None, row.start
+            slot = torch.tensor([row.slot], device=self.device)
+            for c in range(0, len(row.token_ids), self.ring_chunk):
+                chunk = row.token_ids[c:c + self.ring_chunk]
+                out = self._ring_forward([chunk], [start + c], slot)[0]
+            return out
+        ids = torch.tensor([row.token_ids], device=self.device)
+        attn = RecordingAttention(self.cache.window)
+        hidden = self.model.hidden_states(ids, attention=attn)
+        n = len(row.token_ids)
+        keep = min(n, self.cache.window)  # later queries never look further back
+        slot = torch.tensor([row.slot], device=self.device)
+        pos = torch.arange(n - keep, n, device=self.device)[None, :]
+        for layer, (k, v) in enumerate(attn.kv):
+            self.cache.append(layer, slot, pos, k[:, n - keep:].contiguous(), v[:, n - keep:].contiguous())
+        return self.model.logits(hidden[0, -1])
+
+    def _ring_forward(self, token_ids: list, starts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """Feed each row's tokens at its positions through the ring; [B, V] logits at each row's last."""
+        B, T = len(token_ids), max(len(t) for t in token_ids)
+        ids = torch.zeros((B, T), dtype=torch.int64)
+        pos = torch.full((B, T), -1, dtype=torch.int64)
+        for b, (toks, s) in enumerate(zip(token_ids, starts)):
+            ids[b, :len(toks)] = torch.tensor(toks)
+            pos[b, :len(toks)] = torch.arange(s, s + len(toks))
+        ids, pos = ids.to(self.device), pos.to(self.device)
+        hidden = self.model.hidden_states(ids, pos, RingAttention(self.cache, slots, pos))
+        last = torch.tensor([len(t) - 1 for t in token_ids], device=self.device)
+        return self.model.logits(hidden[torch.arange(B, device=self.device), last])
+
+    def _draft(self, rows: list[ProposeRow], slots: torch.Tensor, logits: torch.Tensor) -> Proposal:
+        B, K = len(rows), self.max_spec_tokens
+        k_max = max(r.num_draft for r in rows)
+        sampling = [r.sampling for r in rows]
+        next_pos = [r.start + len(r.token_ids) for r in rows]
+        drafts = torch.zeros((B, k_max), dtype=torch.int64, device=self.device)
+        probs = None
+        for i in range(k_max):
+            tokens, q = sample_draft_tokens(logits, sampling, [p + i for p in next_pos])
+            drafts[:, i] = tokens
+            if q is not None:
+                if probs is None:
+                    probs = torch.zeros((B, K, q.shape[-1]), dtype=torch.float32, device=self.device)
+                probs[:, i] = q
+            if i + 1 < k_max:
+                # The last draft token is never fed: the target verifies it.
+                feed = [[int(tokens[b])] if i + 1 < r.num_draft else [] for b, r in enumerate(rows)]
+                logits = self._ring_forward_padded(feed, [p + i for p in next_pos], slots)
+        out = drafts.tolist()
+        return Proposal([out[b][:r.num_draft] for b, r in enumerate(rows)], probs)
+
+    def _ring_forward_padded(self, feed: list[list[int]], starts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """Like _ring_forward, but rows with nothing to feed are padding (write nothing)."""
+        ids = torch.tensor([f[0] if f else 0 for f in feed], dtype=torch.int64, device=self.device)[:, None]
+        pos = torch.tensor([s if f else -1 for f, s in zip(feed, starts)], dtype=torch.int64,
+                           device=self.device)[:, None]
+        hidden = self.model.hidden_states(ids, pos, RingAttention(self.cache, slots, pos))
+        return self.model.logits(hidden[:, 0])

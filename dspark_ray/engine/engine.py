@@ -1,0 +1,346 @@
+"""Engine: the speculative-decoding step loop.
+
+NOTE: the algorithm. Each request owns one slot from admission to its end;
+every per-request buffer on the draft and target side is indexed by it. Per
+step:
+
+1. schedule   pick this step's rows (running + admitted), preempting by
+              recompute if the target KV pool cannot hold the step;
+2. lease      one slot-service call allocates slots for all admissions;
+3. propose    one draft call: each speculating row rolls its draft cache back
+              to what was accepted, catches up on unseen tokens and drafts k;
+4. verify     one target call: each row feeds its unseen tokens plus drafts,
+              the target scores k+1 positions, and the acceptance rule keeps
+              the longest valid draft prefix plus one recovered or bonus token
+              (greedy: the target's argmax, so output equals target-only
+              greedy decoding; sampled: Leviathan et al.'s rejection sampling,
+              so output follows the target distribution);
+5. commit     append emitted tokens, apply stop conditions, record
+              speculation statistics, advance target and draft lengths;
+6. release    one slot-service call frees the slots of requests that ended;
+              their target KV is freed in the next target call.
+
+Speculation is only an accelerator: if the draft service fails, the step runs
+without drafts and output is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.detokenizer import OutputText
+from dspark_ray.engine.interfaces import (
+    DraftService,
+    Proposal,
+    ProposeRow,
+    SamplingRow,
+    SlotService,
+    TargetService,
+    TargetStep,
+    VerifyResult,
+    VerifyRow,
+)
+from dspark_ray.engine.outputs import RequestOutput, SpecSummary
+from dspark_ray.engine.request import FinishReason, Request, Status
+from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
+from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from dspark_ray.slots import SlotsExhausted
+from dspark_ray.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of the last step."""
+
+    schedule: float = 0.0
+    propose: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+    rows: int = 0
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    draft_failures: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Turns requests into tokens through a slot service, a draft and a target."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        slots: SlotService,
+        target: TargetService,
+        draft: DraftService | None,
+        owner: str = "engine",
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.slots, self.target, self.draft = slots, target, draft
+        self.owner = owner
+        self.max_spec_tokens = config.spec_tokens if draft is not None else 0
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_pool_tokens=target.kv_capacity(),
+            max_context=config.max_context,
+            max_spec_tokens=self.max_spec_tokens,
+        ))
+        self.requests: dict[str, Request] = {}
+        self._texts: dict[str, OutputText] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
+        self._release_target: list[int] = []
+        self._release_leases: list[tuple[str, int]] = []
+        self.timings = StepTimings()
+        self.counters = EngineCounters()
+
+    # -- requests ------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequest, changing nothing."""
+        params = params or SamplingParams()
+        req_id = req_id or uuid.uuid4().hex
+        if req_id in self.requests:
+            raise InvalidRequest("request_id", f"{req_id!r} is already in flight")
+        ids = self._prompt_ids(prompt)
+        if len(ids) + params.max_tokens > self.config.max_context:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.config.max_context} tokens; lower max_tokens or shorten the prompt",
+            )
+        k = self.max_spec_tokens if params.speculative else 0
+        if params.num_speculative_tokens is not None:
+            k = min(k, params.num_speculative_tokens)
+        seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
+        req = Request(req_id=req_id, prompt_token_ids=ids, params=params, seed=seed, num_spec_tokens=k)
+        self.requests[req_id] = req
+        self._texts[req_id] = OutputText(self.tokenizer, params.stop, params.skip_special_tokens)
+        self.scheduler.add(req)
+        return req_id
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.tokenizer.vocab_size
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        if len(ids) >= self.config.max_context:
+            raise InvalidRequest(
+                "prompt",
+                f"the prompt has {len(ids)} tokens; the context holds {self.config.max_context} "
+                "including at least one output token",
+            )
+        return ids
+
+    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> bool:
+        """End a request now (client gone, cancelled). Returns False if it is unknown or finished."""
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.remove(req)
+        req.error = error
+        self._finish(req, reason)
+        self._pending.append(self._output(req, [], ""))
+        self._flush_releases()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that progressed or ended."""
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self._release_target.extend(r.slot for r in plan.preempted)
+        self._lease_slots(plan)
+        t1 = time.perf_counter()
+        if not plan.rows:
+            self._flush_releases()
+            return outputs
+        proposal = self._run_speculation(plan)
+        t2 = time.perf_counter()
+        result = self._run_target(plan, proposal)
+        t3 = time.perf_counter()
+        if result is not None:
+            outputs += self._commit(plan, proposal, result)
+        self._flush_releases()
+        t4 = time.perf_counter()
+        self.timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(plan.rows))
+        self.counters.steps += 1
+        return outputs
+
+    def _lease_slots(self, plan: StepPlan) -> None:
+        """One call for all admissions; under exhaustion, admit those that fit."""
+        if not plan.admitted:
+            return
+        ids = [r.req_id for r in plan.admitted]
+        try:
+            leases = self.slots.allocate_many(ids, self.owner)
+        except SlotsExhausted:
+            leases = []
+            for req_id in ids:
+                try:
+                    leases += self.slots.allocate_many([req_id], self.owner)
+                except SlotsExhausted:
+                    break
+        for req, lease in zip(plan.admitted, leases):
+            req.slot, req.epoch = lease.slot, lease.epoch
+            req.target_len = req.draft_len = 0
+        left = plan.admitted[len(leases):]
+        if left:
+            self.scheduler.return_unadmitted(left)
+            plan.rows = [r for r in plan.rows if r not in left]
+
+    def _sampling(self, req: Request) -> SamplingRow:
+        p = req.params
+        return SamplingRow(p.temperature, p.top_p, p.top_k, req.seed)
+
+    def _run_speculation(self, plan: StepPlan) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """Draft tokens (and their q rows) per request id; empty when nothing speculates."""
+        rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
+        if not rows or self.draft is None:
+            return {}
+        tokens = None
+        propose_rows = []
+        for r in rows:
+            tokens = r.tokens
+            propose_rows.append(ProposeRow(r.slot, r.epoch, r.draft_len, tuple(tokens[r.draft_len:]),
+                                           plan.spec_tokens[r.req_id], self._sampling(r)))
+        try:
+            proposal: Proposal = self.draft.propose(propose_rows)
+        except Exception:  # speculation is optional: run the step without drafts
+            log.exception("draft proposer failed; running this step without speculation")
+            self.counters.draft_failures += 1
+            for r in rows:
+                r.draft_len = 0  # its cache state is unknown now: catch up from scratch next time
+            return {}
+        probs = proposal.draft_probs
+        return {
+            r.req_id: (proposal.draft_token_ids[i], None if probs is None else probs[i])
+            for i, r in enumerate(rows)
+        }
+
+    def _run_target(self, plan: StepPlan, drafts: dict) -> VerifyResult | None:
+        rows, probs = [], None
+        if any(q is not None for _, q in drafts.values()):
+            some_q = next(q for _, q in drafts.values() if q is not None)
+            probs = torch.zeros((len(plan.rows), *some_q.shape), dtype=some_q.dtype)
+        for i, r in enumerate(plan.rows):
+            toks, q = drafts.get(r.req_id, ([], None))
+            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, tuple(r.tokens[r.target_len:]),
+                                  tuple(toks), self._sampling(r)))
+            if q is not None:
+                probs[i] = q
+        release, self._release_target = self._release_target, []
+        try:
+            return self.target.step(TargetStep(rows, probs, release))
+        except Exception as exc:
+            log.exception("target step failed; failing this step's requests")
+            for r in plan.rows:
+                self.scheduler.remove(r)
+                r.error = f"target failed: {exc}"
+                self._finish(r, FinishReason.ERROR)
+                self._pending.append(self._output(r, [], ""))
+            return None
+
+    def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
+        outputs = []
+        for r, accepted, emitted in zip(plan.rows, result.num_accepted, result.emitted):
+            k = len(drafts.get(r.req_id, ((), None))[0])
+            old_len = r.num_tokens
+            r.target_len = old_len + accepted
+            if k:
+                r.draft_len = old_len + min(accepted, k - 1)
+            r.spec.record(k, accepted)
+            outputs.append(self._append_tokens(r, emitted))
+        return outputs
+
+    def _append_tokens(self, req: Request, emitted: list[int]) -> RequestOutput:
+        """Append tokens one by one until a stop condition; returns this step's output."""
+        params, new = req.params, []
+        reason, detail = None, None
+        for tok in emitted:
+            new.append(tok)
+            req.output_token_ids.append(tok)
+            if not params.ignore_eos and tok in self.tokenizer.eos_token_ids:
+                reason, detail = FinishReason.STOP, tok
+            elif tok in params.stop_token_ids:
+                reason, detail = FinishReason.STOP, tok
+            elif req.remaining_tokens() <= 0 or req.num_tokens >= self.config.max_context:
+                reason = FinishReason.LENGTH
+            if reason:
+                break
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        text = self._texts[req.req_id]
+        new_text, stop = text.push(new)
+        if stop is not None:
+            reason, detail = FinishReason.STOP, stop
+        if reason:
+            if stop is None:
+                new_text += text.finish()
+            self.scheduler.remove(req)
+            self._finish(req, reason, detail)
+        return self._output(req, new, new_text)
+
+    # -- endings ---------------------------------------------------------------
+
+    def _finish(self, req: Request, reason: FinishReason, detail: str | int | None = None) -> None:
+        if req.holds_slot:
+            self._release_target.append(req.slot)
+            self._release_leases.append((req.req_id, req.epoch))
+        req.finish(reason, detail)
+        self.counters.finished[reason.value] = self.counters.finished.get(reason.value, 0) + 1
+        del self.requests[req.req_id]
+        del self._texts[req.req_id]
+
+    def _flush_releases(self) -> None:
+        if self._release_leases:
+            leases, self._release_leases = self._release_leases, []
+            self.slots.release_many(leases)
+        if self._release_target and not self.scheduler.has_work():
+            slots, self._release_target = self._release_target, []
+            self.target.release(slots)
+
+    def _output(self, req: Request, new: list[int], new_text: str) -> RequestOutput:
+        s = req.spec
+        return RequestOutput(
+            req_id=req.req_id,
+            new_token_ids=new,
+            new_text=new_text,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=len(req.output_token_ids),
+            finished=req.finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason,
+            error=req.error,
+            spec=SpecSummary(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_position),
+                             s.mean_acceptance_length) if req.finished else None,
+        )

@@ -1,0 +1,113 @@
+"""The three services an engine talks to, and the plain data they exchange.
+
+The engine drives one step as: slot service (admissions and releases, one
+call each) -> draft service (one ``propose`` call) -> target service (one
+``step`` call). In one process these are plain objects; the serving layer puts
+each behind Ray actors with the same methods, so the engine does not change.
+
+Randomness is stateless: every random draw for a request is derived from
+``(seed, position)``, so the draft proposer and every tensor-parallel rank of
+the target reproduce the same draws without sharing generator state, and a
+preempted or rescheduled request samples exactly what it would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dspark_ray.slots import SlotLease
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """The sampling settings a service needs for one row."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ProposeRow:
+    """Ask the draft for ``num_draft`` tokens after ``token_ids``.
+
+    The draft first cuts its cache for ``slot`` back to ``start`` positions
+    (dropping rejected provisional tokens), then feeds ``token_ids`` at
+    positions ``start ..`` (catching up on what the target accepted), then
+    drafts. A new ``epoch`` for the slot means its cache is empty.
+    """
+
+    slot: int
+    epoch: int
+    start: int
+    token_ids: tuple[int, ...]
+    num_draft: int
+    sampling: SamplingRow
+
+
+@dataclass(frozen=True)
+class Proposal:
+    draft_token_ids: list[list[int]]  # per row, num_draft tokens
+    # [B, K, V] float32: the distribution each draft token was sampled from
+    # (rows that are greedy hold zeros); None when every row is greedy.
+    draft_probs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """Feed ``token_ids + draft_token_ids`` at positions ``start ..`` and verify.
+
+    ``start`` is the request's target KV length; ``token_ids`` are the tokens
+    the target has not seen yet (the whole prompt at admission, the pending
+    token afterwards). The target keeps KV for the accepted prefix only.
+    """
+
+    slot: int
+    epoch: int
+    start: int
+    token_ids: tuple[int, ...]
+    draft_token_ids: tuple[int, ...]
+    sampling: SamplingRow
+
+
+@dataclass(frozen=True)
+class TargetStep:
+    rows: list[VerifyRow]
+    # [B, K, V] float32, as in Proposal; None when no row samples with drafts.
+    draft_probs: torch.Tensor | None = None
+    release_slots: list[int] = field(default_factory=list)  # free these slots' KV first
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: list[int]  # per row: draft tokens accepted
+    emitted: list[list[int]]  # per row: accepted drafts, then the recovered or bonus token
+
+
+class SlotService(Protocol):
+    def allocate_many(self, req_ids: Sequence[str], owner: str = "") -> list[SlotLease]: ...
+
+    def release_many(self, req_ids_with_epochs: Iterable[tuple[str, int | None]]) -> list[bool]: ...
+
+
+class DraftService(Protocol):
+    def propose(self, rows: list[ProposeRow]) -> Proposal: ...
+
+
+class TargetService(Protocol):
+    def step(self, batch: TargetStep) -> VerifyResult: ...
+
+    def release(self, slots: list[int]) -> None: ...
+
+    def kv_capacity(self) -> int:
+        """Tokens the KV pool can hold (the scheduler's budget)."""
+        ...

@@ -1,0 +1,110 @@
+"""Request: the engine's bookkeeping for one generation (no torch, no ray).
+
+Token layout of a running request (``tokens = prompt + output``):
+
+    positions  0 ............................ len(tokens)-1
+    target KV  [0, target_len)                 target_len == len(tokens) - 1 after
+                                               every step: the last token is
+                                               "pending", fed in the next step
+    draft KV   [0, draft_len)                  the draft catches up from draft_len
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from dspark_ray.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # never admitted: holds no slot
+    RUNNING = "running"  # holds a slot and target KV
+    PREEMPTED = "preempted"  # holds its slot and draft cache, target KV freed
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the caller cancelled or disconnected
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters, with vLLM's meanings."""
+
+    drafts: int = 0  # verification steps that carried at least one draft token
+    draft_tokens: int = 0  # draft tokens proposed
+    accepted_tokens: int = 0  # draft tokens accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts + 1."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn at arrival: randomness is a function of (seed, position)
+    num_spec_tokens: int  # this request's k (0 = speculation off)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    slot: int = 0
+    epoch: int = -1
+    target_len: int = 0
+    draft_len: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def holds_slot(self) -> bool:
+        return self.status in (Status.RUNNING, Status.PREEMPTED)
+
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    def finish(self, reason: FinishReason, detail: str | int | None = None) -> None:
+        assert self.status is not Status.FINISHED, f"{self.req_id} finished twice"
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = detail
+        self.finish_time = time.monotonic()

@@ -1,0 +1,143 @@
+"""Scheduler: which requests run this step (pure Python: no torch, no ray).
+
+First come, first served. A step's batch is the running requests (rotated
+when there are more than ``max_num_seqs``, so none starves) plus admissions
+from the waiting queue while there is room in the batch, the token budget and
+the target KV pool. When the pool cannot hold the step, the most recently
+admitted running request is preempted by recompute: its target KV is freed,
+but it keeps its slot, its draft cache and every token it produced, and it
+rejoins at the front of the waiting queue. A request left out of a step
+keeps everything.
+
+KV accounting mirrors the target's pool exactly: a request holds
+``target_len`` tokens between steps and needs ``num_tokens - target_len + k``
+more while a step runs (the unseen tokens plus k drafts).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark_ray.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # rows per step
+    max_num_batched_tokens: int  # target tokens fed per step (a longer single prompt still runs alone)
+    kv_pool_tokens: int  # usable tokens in the target KV pool
+    max_context: int
+    max_spec_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_pool_tokens", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_spec_tokens < 0:
+            raise ValueError(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens}")
+
+
+@dataclass
+class StepPlan:
+    rows: list[Request] = field(default_factory=list)  # this step's batch, in row order
+    spec_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> k this step
+    admitted: list[Request] = field(default_factory=list)  # new: need a slot before the step
+    preempted: list[Request] = field(default_factory=list)  # their target KV must be freed
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._rotation = 0
+
+    # -- queue changes ---------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        assert req.status is Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop a request (finished or aborted) from whichever queue holds it."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def return_unadmitted(self, reqs: list[Request]) -> None:
+        """Put admissions the slot service could not serve back at the queue front."""
+        for req in reversed(reqs):
+            self.running.remove(req)
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_in_use(self) -> int:
+        return sum(r.target_len for r in self.running)
+
+    # -- planning ------------------------------------------------------------
+
+    def spec_tokens_for(self, req: Request) -> int:
+        """This step's k: the request's own, never past max_tokens or the context."""
+        room = min(req.remaining_tokens() - 1, self.config.max_context - req.num_tokens - 1)
+        return max(0, min(req.num_spec_tokens, room))
+
+    def _need(self, req: Request) -> int:
+        """Extra KV tokens ``req`` needs while this step runs."""
+        return req.num_tokens - req.target_len + self.spec_tokens_for(req)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        cfg = self.config
+        kv_free = cfg.kv_pool_tokens - self.kv_in_use()
+        tokens = 0
+        for req in self._rotated_running():
+            if len(plan.rows) >= cfg.max_num_seqs:
+                break
+            need = self._need(req)
+            while need > kv_free and self._preempt_one(plan, protect=req):
+                kv_free = cfg.kv_pool_tokens - self.kv_in_use()
+            if need > kv_free:
+                break
+            kv_free -= need
+            tokens += need
+            plan.rows.append(req)
+        while self.waiting and len(plan.rows) < cfg.max_num_seqs and not plan.preempted:
+            req = self.waiting[0]
+            need = self._need(req)
+            if need > kv_free or (plan.rows and tokens + need > cfg.max_num_batched_tokens):
+                break
+            self.waiting.popleft()
+            if req.status is Status.WAITING:
+                plan.admitted.append(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            kv_free -= need
+            tokens += need
+            plan.rows.append(req)
+        plan.spec_tokens = {r.req_id: self.spec_tokens_for(r) for r in plan.rows}
+        return plan
+
+    def _rotated_running(self) -> list[Request]:
+        n = len(self.running)
+        if n <= self.config.max_num_seqs:
+            return list(self.running)
+        self._rotation = (self._rotation + self.config.max_num_seqs) % n
+        return self.running[self._rotation:] + self.running[: self._rotation]
+
+    def _preempt_one(self, plan: StepPlan, protect: Request) -> bool:
+        """Preempt the newest running request other than ``protect`` and those already planned."""
+        for victim in reversed(self.running):
+            if victim is protect or victim in plan.rows:
+                continue
+            self.running.remove(victim)
+            victim.status = Status.PREEMPTED
+            victim.target_len = 0
+            self.waiting.appendleft(victim)
+            plan.preempted.append(victim)
+            return True
+        return False

@@ -1,0 +1,177 @@
+"""TargetRunner: the target model over a paged KV pool, indexed by slot.
+
+One ``step`` call feeds every row's unseen tokens plus its draft tokens,
+computes logits at the last k+1 positions, verifies the drafts and keeps KV
+for the accepted prefix only. Prefill is the same operation with more unseen
+tokens and usually no drafts.
+
+KV layout (SGLang's three levels): slot -> ``ReqToTokenTable`` row ->
+token indices -> per-layer K/V pools ``[kv_pool_size, kv_heads, head_dim]``.
+Token index 0 and table row 0 are padding, so a padded batch entry writes
+and reads only the padding token. Rollback after rejection is
+``ReqToTokenTable.truncate`` — a length change.
+
+Under tensor parallelism every rank runs this same code on its shard: the
+logits are complete on every rank and randomness is derived from seeds, so
+all ranks verify identically and keep their KV in lockstep with no extra
+communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
+from dspark_ray.engine.verifier import verify
+from dspark_ray.model.llama import CausalLM
+from dspark_ray.slots import ReqToTokenTable
+
+
+class StaleSlotState(RuntimeError):
+    """A row's start position disagrees with the KV the slot holds (a bookkeeping bug)."""
+
+
+class PagedAttention:
+    """Attention callable for one step: writes new K/V to the pool, attends through the table."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],  # per layer [P, Hkv, D]
+        v_pools: list[torch.Tensor],
+        write_index: torch.Tensor,  # [B, T] int64 pool index per new entry (0 = padding)
+        key_index: torch.Tensor,  # [B, L] int64 pool index per key position
+        mask: torch.Tensor,  # [B, 1, T, L] bool, True = attend
+    ) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.write_index, self.key_index, self.mask = write_index, key_index, mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        flat = self.write_index.flatten()
+        k_pool[flat] = k.reshape(-1, *k.shape[2:]).to(k_pool.dtype)
+        v_pool[flat] = v.reshape(-1, *v.shape[2:]).to(v_pool.dtype)
+        n_rep = q.shape[2] // k.shape[2]
+        keys = k_pool[self.key_index].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_pool[self.key_index].transpose(1, 2)
+        if n_rep > 1:
+            keys = keys.repeat_interleave(n_rep, dim=1)
+            values = values.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=self.mask)
+        return out.transpose(1, 2)  # [B, T, Hq, D]
+
+
+class TargetRunner:
+    """Holds the target model, its KV pool and request-to-token table."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        capacity: int,
+        max_context: int,
+        kv_pool_size: int,
+        max_spec_tokens: int,
+    ) -> None:
+        self.model = model
+        self.max_spec_tokens = max_spec_tokens
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.table = ReqToTokenTable(capacity, max_context, kv_pool_size, self.device)
+        cfg = model.config
+        kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
+        shape = (kv_pool_size, kv_heads, cfg.head_dim)
+        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.slot_epoch = [-1] * (capacity + 1)
+
+    # -- service API -------------------------------------------------------
+
+    def kv_capacity(self) -> int:
+        return self.table.allocator.size - 1
+
+    def kv_free(self) -> int:
+        return self.table.available()
+
+    def release(self, slots: list[int]) -> None:
+        held = [s for s in slots if int(self.table.lengths[s]) > 0]
+        if held:
+            self.table.release(held)
+        for s in slots:
+            self.slot_epoch[s] = -1
+
+    @torch.inference_mode()
+    def step(self, batch: TargetStep) -> VerifyResult:
+        if batch.release_slots:
+            self.release(batch.release_slots)
+        rows = batch.rows
+        if not rows:
+            return VerifyResult([], [])
+        self._bind(rows)
+        counts = [len(r.token_ids) + len(r.draft_token_ids) for r in rows]
+        indices = self.table.append([r.slot for r in rows], counts)
+        logits = self._forward(rows, counts, indices)  # [B, K+1, V]
+        emitted, accepted = self._verify(rows, logits, batch.draft_probs)
+        kept = [r.start + len(r.token_ids) + a for r, a in zip(rows, accepted)]
+        self.table.truncate([r.slot for r in rows], kept)
+        return VerifyResult(num_accepted=accepted, emitted=emitted)
+
+    # -- steps ---------------------------------------------------------------
+
+    def _bind(self, rows: list[VerifyRow]) -> None:
+        """A slot seen with a new epoch starts empty; otherwise its KV must match ``start``."""
+        fresh = [r.slot for r in rows if self.slot_epoch[r.slot] != r.epoch]
+        if fresh:
+            self.release(fresh)
+        for r in rows:
+            self.slot_epoch[r.slot] = r.epoch
+            held = int(self.table.lengths[r.slot])
+            if held != r.start:
+                raise StaleSlotState(
+                    f"slot {r.slot} (epoch {r.epoch}) holds {held} KV positions but the step starts at {r.start}"
+                )
+
+    def _forward(self, rows: list[VerifyRow], counts: list[int], indices: torch.Tensor) -> torch.Tensor:
+        B, T = len(rows), max(counts)
+        K1 = self.max_spec_tokens + 1
+        dev = self.device
+        tokens = torch.zeros((B, T), dtype=torch.int64)
+        positions = torch.zeros((B, T), dtype=torch.int64)
+        write_index = torch.zeros((B, T), dtype=torch.int64)
+        offset = 0
+        for b, (r, n) in enumerate(zip(rows, counts)):
+            tokens[b, :n] = torch.tensor(r.token_ids + r.draft_token_ids)
+            positions[b, :n] = torch.arange(r.start, r.start + n)
+            positions[b, n:] = r.start + n - 1  # padding queries repeat the last position
+            write_index[b, :n] = indices[offset:offset + n]
+            offset += n
+        lengths = torch.tensor([r.start + n for r, n in zip(rows, counts)])
+        L = int(lengths.max())
+        slots = torch.tensor([r.slot for r in rows])
+        key_index = self.table.table[slots.to(dev), :L].long()  # [B, L]
+        key_pos = torch.arange(L)
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+        attention = PagedAttention(self.k_pools, self.v_pools, write_index.to(dev), key_index,
+                                   mask[:, None].to(dev))
+        hidden = self.model.hidden_states(tokens.to(dev), positions.to(dev), attention)  # [B, T, H]
+        # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
+        first = torch.tensor([len(r.token_ids) - 1 for r in rows])
+        gather = (first[:, None] + torch.arange(K1)[None, :]).clamp(max=T - 1)  # [B, K+1]
+        picked = hidden[torch.arange(B)[:, None], gather.to(dev)]  # [B, K+1, H]
+        return self.model.logits(picked)
+
+    def _verify(self, rows: list[VerifyRow], logits: torch.Tensor,
+                draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
+        B, K = len(rows), self.max_spec_tokens
+        drafts = torch.zeros((B, K), dtype=torch.int64)
+        for b, r in enumerate(rows):
+            drafts[b, :len(r.draft_token_ids)] = torch.tensor(r.draft_token_ids, dtype=torch.int64)
+        num_draft = torch.tensor([len(r.draft_token_ids) for r in rows], dtype=torch.int64)
+        first_positions = [r.start + len(r.token_ids) for r in rows]
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(self.device, torch.float32)
+        out, accepted = verify(logits, drafts.to(self.device), num_draft.to(self.device), draft_probs,
+                               [r.sampling for r in rows], first_positions)
+        out, accepted = out.tolist(), accepted.tolist()
+        emitted = [row[: a + 1] for row, a in zip(out, accepted)]
+        return emitted, accepted

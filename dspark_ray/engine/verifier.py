@@ -1,0 +1,88 @@
+"""Verification: turn the target's logits over [pending, d1..dk] into emitted tokens.
+
+Vocabulary (vLLM's, after Leviathan et al. 2023, arXiv 2211.17192):
+accepted tokens are draft tokens the target keeps; at the first rejection a
+recovered token is drawn from norm(max(0, p - q)); when all k drafts are
+accepted a bonus token is drawn from the target's distribution after them.
+Greedy rows accept while the draft equals the target's argmax, so greedy
+output is exactly the target's own greedy output. The rule itself lives in
+``dspark_kernels`` (Triton on CUDA, the reference elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dspark_kernels import ops
+from dspark_ray.engine.interfaces import SamplingRow
+from dspark_ray.engine.randomness import DRAFT_STREAM, VERIFY_STREAM, derive_seed
+
+
+def sampling_probs(
+    logits: torch.Tensor,  # [N, V] float32
+    rows: Sequence[SamplingRow],  # N rows, none greedy
+) -> torch.Tensor:  # [N, V] float32
+    device = logits.device
+    return ops.logits_to_probs(
+        logits,
+        torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
+        torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=device),
+        torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
+    )
+
+
+def sample_draft_tokens(
+    logits: torch.Tensor,  # [B, V] float32, the draft's next-token logits
+    rows: Sequence[SamplingRow],
+    positions: Sequence[int],  # per row: the position the sampled token will take
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([B] int64, [B, V] float32 or None)
+    """Greedy rows take the argmax; sampled rows draw from their processed q."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if not sampled:
+        return tokens, None
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    idx = torch.tensor(sampled, device=logits.device)
+    q = sampling_probs(logits[idx], [rows[i] for i in sampled])  # [S, V]
+    probs[idx] = q
+    for j, i in enumerate(sampled):
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(derive_seed(rows[i].seed, positions[i], DRAFT_STREAM))
+        tokens[i] = torch.multinomial(q[j], 1, generator=gen)[0]
+    return tokens, probs
+
+
+def verify(
+    target_logits: torch.Tensor,  # [B, K+1, V] float32; row b valid at 0..num_draft[b]
+    draft_token_ids: torch.Tensor,  # [B, K] int64, padded
+    num_draft: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32, zeros on greedy rows
+    rows: Sequence[SamplingRow],
+    first_positions: Sequence[int],  # per row: the position of its first emitted token
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, K+1] int64 with -1 padding, [B] int64)
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    device = target_logits.device
+    is_greedy = torch.tensor([r.greedy for r in rows], dtype=torch.bool, device=device)
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    target_probs = None
+    if sampled:
+        idx = torch.tensor(sampled, device=device)
+        target_probs = torch.zeros_like(target_logits)
+        flat = target_logits[idx].reshape(-1, V)  # [S*(K+1), V]
+        reps = [rows[i] for i in sampled for _ in range(K1)]
+        target_probs[idx] = sampling_probs(flat, reps).view(len(sampled), K1, V)
+        if draft_probs is None:
+            draft_probs = torch.zeros((B, K, V), dtype=torch.float32, device=device)
+    seeds = [
+        None if r.greedy else derive_seed(r.seed, pos, VERIFY_STREAM)
+        for r, pos in zip(rows, first_positions)
+    ]
+    # Greedy rows consume no randomness; give them a fixed seed so nothing global is touched.
+    uniforms, noise = ops.draw_random([0 if s is None else s for s in seeds], B, K, V, device)
+    return ops.rejection_sample(
+        draft_token_ids, num_draft, draft_probs if sampled else None, target_logits,
+        target_probs, is_greedy, uniforms, noise,
+    )
