@@ -1,0 +1,118 @@
+"""Shared fixtures: the shipped model pair and tiny random Hugging Face checkpoints.
+
+transformers is imported inside the fixtures, not here, so tests that do not
+use them do not pay for the import.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED_TARGET = REPO / "models" / "shakespeare-target"
+SHIPPED_DRAFT = REPO / "models" / "shakespeare-draft"
+
+# The smallest shapes that still exercise GQA, several layers and several heads.
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def shipped(path: Path, needs: str) -> Path:
+    """``path``, or skip the test while the shipped model is still being trained."""
+    if not (path / needs).is_file():
+        pytest.skip(f"{path.relative_to(REPO)}/{needs} is not there yet (the shipped pair is being trained)")
+    return path
+
+
+@pytest.fixture
+def shipped_target() -> Path:
+    return SHIPPED_TARGET
+
+
+@pytest.fixture
+def shipped_draft() -> Path:
+    return SHIPPED_DRAFT
+
+
+def hf_classes(architecture: str):
+    """(config class, model class) of transformers for an architecture name."""
+    import transformers
+
+    prefix = architecture.removesuffix("ForCausalLM")
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, architecture)
+
+
+def randomize_(model, seed: int) -> None:
+    """Give every weight an O(1) random value, so that norms and biases matter to the logits.
+
+    transformers initialises norms to one and biases to zero, under which a
+    model that forgot a norm or a bias would still agree.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def save_tiny_checkpoint(folder: Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0,
+                         max_shard_size: str | None = None, save_dtype=None, **overrides):
+    """Save a tiny random checkpoint to ``folder``; return the transformers model (float32, eval).
+
+    Keyword arguments override ``TINY`` and go to the transformers config
+    class; ``max_shard_size`` shards the safetensors; ``save_dtype`` (a torch
+    dtype) is the dtype written to disk, float32 by default.
+    """
+    import torch
+
+    config_cls, model_cls = hf_classes(architecture)
+    config = config_cls(**{**TINY, **overrides})
+    config._attn_implementation = "eager"  # the plainest reference, not the SDPA we use ourselves
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize_(model, seed)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    if save_dtype is None:
+        model.save_pretrained(folder, **kwargs)
+        return model
+    # Round the float32 reference's weights as the file stores them, leaving
+    # its buffers (rotary frequencies) in float32.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(save_dtype).float())
+    copy.deepcopy(model).to(save_dtype).save_pretrained(folder, **kwargs)
+    return model
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path):
+    """Factory: ``make_checkpoint(architecture, **overrides) -> (folder, transformers model)``.
+
+    Takes the arguments of ``save_tiny_checkpoint``; each call gets a fresh folder.
+    """
+    count = 0
+
+    def make(architecture: str = "LlamaForCausalLM", **kwargs):
+        nonlocal count
+        count += 1
+        folder = tmp_path / f"ckpt{count}"
+        return folder, save_tiny_checkpoint(folder, architecture, **kwargs)
+
+    return make

@@ -1,0 +1,145 @@
+"""Logits parity with transformers for every supported architecture and option.
+
+Each case saves a tiny random checkpoint with transformers, loads it with
+``dspark_ray.model.load`` and compares the full-sequence logits with the
+transformers model's (eager attention) in float32: max abs error <= 1e-4.
+Weights are O(1) random (see ``conftest.randomize_``), so the logits are far
+from zero and a missing norm, bias or rotation would show.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, save_tiny_checkpoint, shipped
+from dspark_ray.model import load
+
+TOL = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    # Small enough that head_dim 16 has wavelengths in all three llama3 bands.
+    "original_max_position_embeddings": 64,
+}
+
+CASES = {
+    "llama-gqa1": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa2": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-gqa4": ("LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2)),
+    "llama-tied": ("LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "llama-bias": ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "llama-rope-linear": ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama-rope-llama3": ("LlamaForCausalLM", dict(rope_scaling=LLAMA3_ROPE)),
+    "llama-rope-theta": ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    "llama-head-dim": ("LlamaForCausalLM", dict(head_dim=32)),  # 4 heads x 32 != hidden 64
+    "mistral-full": ("MistralForCausalLM", dict(sliding_window=None)),
+    "mistral-window": ("MistralForCausalLM", dict(sliding_window=8)),  # sequence 24 > window
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=16)),
+    "qwen3-bias-head-dim": ("Qwen3ForCausalLM", dict(head_dim=32, attention_bias=True)),
+}
+
+
+def assert_parity(folder: Path, reference, seq_len: int = 24, batch: int = 2, seed: int = 0) -> None:
+    ours = load(folder, dtype="float32")
+    vocab = reference.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = reference(ids).logits.float()
+        got = ours(ids)
+    assert got.shape == expected.shape == (batch, seq_len, vocab)
+    assert got.dtype == torch.float32
+    assert expected.std() > 0.3, "reference logits too flat for a meaningful comparison"
+    err = (got - expected).abs().max().item()
+    assert err <= TOL, f"max abs logits error {err:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(make_checkpoint, case):
+    architecture, overrides = CASES[case]
+    folder, reference = make_checkpoint(architecture, **overrides)
+    assert_parity(folder, reference)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([8, 16, 32]),
+    tied=st.booleans(),
+    bias=st.booleans(),
+    rope=st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}, LLAMA3_ROPE]),
+    seq_len=st.integers(1, 20),
+)
+def test_llama_shapes_match_transformers(kv_heads, group, head_dim, tied, bias, rope, seq_len):
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = save_tiny_checkpoint(
+            Path(tmp), num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads, head_dim=head_dim,
+            tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias, rope_scaling=rope,
+        )
+        assert_parity(Path(tmp), reference, seq_len=seq_len, batch=1)
+
+
+def test_sharded_checkpoint(make_checkpoint):
+    folder, reference = make_checkpoint(max_shard_size="40KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert not (folder / "model.safetensors").exists()
+    assert len(set(index["weight_map"].values())) > 1
+    assert_parity(folder, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_loads_in_its_dtype(make_checkpoint, dtype):
+    folder, reference = make_checkpoint(save_dtype=dtype)  # reference holds the rounded weights in float32
+    auto = load(folder)  # dtype "auto": the checkpoint's own
+    assert {p.dtype for p in auto.parameters()} == {dtype}
+    assert auto.inv_freq.dtype == torch.float32, "rotary frequencies must stay float32"
+    assert auto(torch.tensor([[1, 2, 3]])).dtype == torch.float32
+    wide = load(folder, dtype="float32")
+    assert {p.dtype for p in wide.parameters()} == {torch.float32}
+    assert_parity(folder, reference)
+
+
+def test_bfloat16_close_to_transformers_bfloat16(make_checkpoint):
+    folder, reference = make_checkpoint()
+    ours = load(folder, dtype=torch.bfloat16)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.to(torch.bfloat16)(ids).logits.float()
+        exact = reference.float()(ids).logits
+    got = ours(ids)
+    # bfloat16 keeps ~3 significant digits: compare with the error transformers itself makes.
+    hf_err = (expected - exact).abs().max().item()
+    assert (got - exact).abs().max().item() <= 2 * hf_err + 1e-3
+
+
+def _shipped_parity(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ray.tokenizer import Tokenizer
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = Tokenizer.from_path(folder).encode(
+        "ROMEO: But, soft! what light through yonder window breaks?\nJULIET: Ay me!"
+    )
+    ours = load(folder, dtype="float32")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        err = (ours(x) - reference(x).logits.float()).abs().max().item()
+    assert err <= TOL, f"{folder.name}: max abs logits error {err:.3g} > {TOL}"
+
+
+def test_shipped_target_matches_transformers():
+    _shipped_parity(shipped(SHIPPED_TARGET, "config.json"))
+
+
+def test_shipped_draft_matches_transformers():
+    _shipped_parity(shipped(SHIPPED_DRAFT, "config.json"))
