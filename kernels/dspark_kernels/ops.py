@@ -4,9 +4,10 @@ Backends:
 
 - ``"auto"`` (default): Triton for CUDA tensors, the PyTorch reference
   elsewhere.
-- ``"triton"``: always the Triton kernels. On CPU tensors this needs
-  ``TRITON_INTERPRET=1`` set before the first kernel is imported (Triton
-  decides interpreter-or-compiler when a kernel is decorated); tests and
+- ``"triton"``: always the Triton kernels. On CPU tensors this needs the
+  Triton interpreter: call ``enable_interpreter()`` (or export
+  ``TRITON_INTERPRET=1`` before the kernels are first imported; Triton
+  decides interpreter-or-compiler when a kernel is decorated). Tests and
   ``bench/kernels.py`` use it to run the kernels on CPU.
 - ``"reference"``: always the reference in ``dspark_kernels.reference``.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
@@ -63,9 +65,22 @@ def use_backend(backend: Backend) -> Iterator[None]:
         set_backend(previous)
 
 
-def interpreter_enabled() -> bool:
-    """Whether Triton kernels imported now would run in the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_KERNEL_MODULES = ("ring_write", "window_attention", "rejection")
+
+
+def enable_interpreter() -> None:
+    """Run the Triton kernels in Triton's interpreter from now on (CPU tensors).
+
+    For tests and CPU benchmarks only: it sets TRITON_INTERPRET=1 for the
+    whole process and re-imports any kernel module already decorated for the
+    GPU compiler, so the order in which test modules were imported does not
+    matter.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in _KERNEL_MODULES:
+        module = sys.modules.get(f"dspark_kernels.{name}")
+        if module is not None and not module.runs_in_interpreter():
+            importlib.reload(module)
 
 
 def _kernel_module(name: str):
@@ -90,8 +105,8 @@ def _use_triton(module_name: str, device: torch.device) -> bool:
         if not module.runs_in_interpreter():
             raise KernelBackendError(
                 f"backend 'triton' on {device.type} tensors needs the Triton interpreter: "
-                "set TRITON_INTERPRET=1 before dspark_kernels' Triton kernels are first "
-                "imported, or use set_backend('reference')"
+                "call dspark_kernels.ops.enable_interpreter() (or export TRITON_INTERPRET=1 "
+                "before the kernels are imported), or use set_backend('reference')"
             )
     return True
 
