@@ -67,7 +67,7 @@ def weight_files(path: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(_weight_map(index).values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise CheckpointFileMissing(
@@ -78,6 +78,19 @@ def weight_files(path: Path) -> list[Path]:
         f"no model.safetensors or model.safetensors.index.json in {path}; "
         "convert the checkpoint to safetensors (PyTorch .bin files are not loaded)"
     )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """tensor name -> shard file, from a model.safetensors.index.json."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ModelLoadError(f"{index} is not a JSON object: {exc}; re-save the checkpoint") from exc
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(
+            f"{index} has no 'weight_map' of tensor names to shard files; re-save the checkpoint"
+        )
+    return weight_map
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
