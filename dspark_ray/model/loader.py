@@ -10,7 +10,6 @@ Every failure is a named ``ModelLoadError`` that says what to fix.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from dspark_ray.model.errors import (
     UnsupportedDtype,
 )
 from dspark_ray.model.llama import CausalLM, rope_inv_freq
+from dspark_ray.model.tp import TensorParallel, shard, shard_slice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,17 +93,11 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def load(
     path: str | Path,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """Load the checkpoint folder at ``path`` as an eval-mode ``CausalLM``.
 
@@ -112,6 +106,7 @@ def load(
         dtype: 'float32', 'bfloat16', 'float16', a torch dtype, or 'auto'
             (the checkpoint's torch_dtype).
         device: where the weights are placed ('cpu', 'cuda', 'cuda:1', ...).
+        tp: this process's tensor-parallel rank; it then reads only its slices.
     """
     path = Path(path)
     if not path.is_dir():
@@ -124,6 +119,8 @@ def load(
 
     with torch.device("meta"):
         model = CausalLM(cfg)
+        if tp is not None:
+            shard(model, tp)
     model = model.to(dtype).to_empty(device=device)
     # Rotary frequencies stay float32 whatever the weights' dtype: in bfloat16
     # they carry 3 significant digits and angles drift visibly by position ~100.
@@ -138,27 +135,50 @@ def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
               disable=None if total > 256 * 2**20 else True) as bar:
-        for name, tensor in iter_tensors(files):
-            bar.update(tensor.numel() * tensor.element_size())
-            if name not in params:
-                if name == "lm_head.weight" and model.lm_head is None or name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
-                    "check that config.json matches the weights"
-                )
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise TensorShapeMismatch(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
-                    f"{tuple(param.shape)}; check hidden_size/heads/head_dim in config.json"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            pending.discard(name)
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    shape = tuple(tensor.get_shape())
+                    bar.update(file.stat().st_size // max(1, len(f.keys())))
+                    if name not in params:
+                        if _ignorable(model, name):
+                            continue
+                        raise ModelLoadError(
+                            f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
+                            "check that config.json matches the weights"
+                        )
+                    _copy_param(model, name, params[name], tensor, shape)
+                    pending.discard(name)
     if pending:
         names = sorted(pending)
         raise TensorMissing(
             f"checkpoint at {path} lacks {len(names)} tensor(s) the config needs, e.g. {names[0]!r}"
             + (f" (and {', '.join(repr(n) for n in names[1:4])})" if len(names) > 1 else "")
         )
+
+
+def _ignorable(model: CausalLM, name: str) -> bool:
+    return (name == "lm_head.weight" and model.lm_head is None) or name.endswith(_IGNORED_SUFFIXES)
+
+
+def _copy_param(model: CausalLM, name: str, param: torch.nn.Parameter, tensor, shape: tuple[int, ...]) -> None:
+    """Copy checkpoint tensor ``name`` (a safetensors slice handle) into ``param``, only this rank's part."""
+    index = shard_slice(model, name, shape)
+    expected = tuple(param.shape)
+    if index is not None:
+        dim = next(i for i, s in enumerate(index) if s != slice(None))
+        full = list(param.shape)
+        full[dim] = param.shape[dim] * _world(model, name)
+        expected = tuple(full)
+    if shape != expected:
+        raise TensorShapeMismatch(
+            f"tensor {name!r} has shape {shape} but config.json implies {expected}; "
+            "check hidden_size/heads/head_dim in config.json"
+        )
+    with torch.no_grad():
+        param.copy_(tensor[index] if index is not None else tensor[:])
+
+
+def _world(model: CausalLM, name: str) -> int:
+    return model.get_submodule(name.rpartition(".")[0]).tp.world_size

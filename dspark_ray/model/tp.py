@@ -1,0 +1,106 @@
+"""Tensor parallelism as a transform over the plain model (Megatron-style).
+
+``shard(model, tp)`` swaps linears in place: q/k/v/gate/up become
+column-parallel (each rank keeps a contiguous block of output features, so a
+block of whole heads), o/down become row-parallel (each rank keeps the
+matching input features and the partial outputs are summed with one
+all-reduce). Embeddings, norms and the LM head stay replicated, so every rank
+ends with identical hidden states and logits. The model code itself is
+unchanged: attention reads head counts from the projection shapes.
+
+Run on the meta device before loading, so that each rank allocates and reads
+only its slices of the checkpoint (``shard_slice`` tells the loader which).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_ray.model.errors import ModelLoadError
+from dspark_ray.model.llama import CausalLM
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    world_size: int
+    group: Any = None  # a torch.distributed ProcessGroup; None = the default group
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside 0..{self.world_size - 1}")
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Holds rows [rank*out/w, (rank+1)*out/w) of the weight; output stays sharded."""
+
+    def __init__(self, full: nn.Linear, tp: TensorParallel) -> None:
+        out = full.out_features // tp.world_size
+        super().__init__(full.in_features, out, bias=full.bias is not None, device=full.weight.device,
+                         dtype=full.weight.dtype)
+        self.tp = tp
+
+
+class RowParallelLinear(nn.Linear):
+    """Holds columns [rank*in/w, (rank+1)*in/w); partial outputs are all-reduced."""
+
+    def __init__(self, full: nn.Linear, tp: TensorParallel) -> None:
+        inp = full.in_features // tp.world_size
+        super().__init__(inp, full.out_features, bias=full.bias is not None, device=full.weight.device,
+                         dtype=full.weight.dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp.world_size > 1:
+            dist.all_reduce(y, group=self.tp.group)
+        return y + self.bias if self.bias is not None else y
+
+
+def shard(model: CausalLM, tp: TensorParallel) -> CausalLM:
+    """Replace the model's linears with their tensor-parallel shards, in place."""
+    cfg = model.config
+    w = tp.world_size
+    for what, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % w:
+            raise ModelLoadError(
+                f"{what} ({n}) is not divisible by tensor_parallel_size {w}; choose a size that divides it"
+            )
+    if w == 1:
+        return model
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in _COLUMN + _ROW:
+                full = getattr(parent, name, None)
+                if full is None:
+                    continue
+                cls = ColumnParallelLinear if name in _COLUMN else RowParallelLinear
+                setattr(parent, name, cls(full, tp))
+    return model
+
+
+def shard_slice(model: nn.Module, param_name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    """The slice of checkpoint tensor ``param_name`` (full ``shape``) this rank holds, or None if whole."""
+    module_name, _, kind = param_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, ColumnParallelLinear):
+        dim = 0
+    elif isinstance(module, RowParallelLinear) and kind == "weight":
+        dim = 1
+    else:
+        return None
+    tp = module.tp
+    size = shape[dim] // tp.world_size
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(tp.rank * size, (tp.rank + 1) * size)
+    return tuple(index)
