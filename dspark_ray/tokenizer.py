@@ -3,9 +3,11 @@
 A Hugging Face checkpoint spreads its tokenizer over three files:
 
 - ``tokenizer.json``: the tokenizer proper, run by the ``tokenizers`` library;
-- ``tokenizer_config.json``: the named special tokens (bos/eos/unk/pad), whether
-  BOS/EOS are added on encode, and the ``chat_template`` (a jinja2 template; a
-  separate ``chat_template.jinja`` file overrides it, as transformers saves it);
+- ``tokenizer_config.json``: the named special tokens (bos/eos/unk/pad) and the
+  ``chat_template`` (a jinja2 template; a separate ``chat_template.jinja`` file
+  overrides it, as transformers saves it). Which special tokens ``encode``
+  adds is up to tokenizer.json's post-processor alone, as in transformers 5,
+  which ignores tokenizer_config.json's add_bos_token/add_eos_token;
 - ``generation_config.json``: ``eos_token_id``, one id or a list of ids, which
   end generation (chat models often stop on several).
 
@@ -25,6 +27,7 @@ that the target verifies, so both must give every id the same meaning.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -35,9 +38,10 @@ import jinja2.ext
 import jinja2.sandbox
 import jinja2.utils
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
 
 from dspark_ray.model.errors import CheckpointFileMissing
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -122,7 +126,7 @@ class Tokenizer:
             raise TokenizerError(f"{tok_file} cannot be read by the tokenizers library: {exc}") from exc
         config = _read_json(path / "tokenizer_config.json")
         special = _special_tokens(config)
-        _configure_post_processor(backend, config, special, path)
+        _warn_on_contradicting_flags(backend, config, special, path)
         eos_ids = _eos_token_ids(path, backend, special)
         return cls(backend, special, eos_ids, _chat_template(path, config), name=str(path))
 
@@ -188,7 +192,7 @@ class Tokenizer:
                 documents=None,
                 **self.special_tokens,
             )
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # untrusted code: any failure is the template's, reported as such
             raise ChatTemplateError(f"the chat template of {self.name} failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -290,27 +294,25 @@ def _special_tokens(config: dict) -> dict[str, str]:
     return special
 
 
-def _configure_post_processor(backend: BackendTokenizer, config: dict, special: dict, path: Path) -> None:
-    """Decide which special tokens ``encode`` adds, as transformers does.
+def _warn_on_contradicting_flags(backend: BackendTokenizer, config: dict, special: dict, path: Path) -> None:
+    """Warn where tokenizer_config.json's add_bos/eos_token contradict tokenizer.json.
 
-    tokenizer.json's post-processor is kept unless tokenizer_config.json sets
-    add_bos_token/add_eos_token explicitly or there is no post-processor; then
-    those flags (default false) rebuild it.
+    Beside a tokenizer.json, transformers (5.x) ignores those flags: the
+    post-processor in tokenizer.json alone decides what ``encode`` adds. So
+    do we, but a contradiction is worth a line in the log.
     """
-    explicit = "add_bos_token" in config or "add_eos_token" in config
-    if not explicit and backend.post_processor is not None:
-        return
-    template, pairs = "$A:0", []
-    for flag, key, at_end in (("add_bos_token", "bos_token", False), ("add_eos_token", "eos_token", True)):
+    added = backend.encode("", add_special_tokens=True).ids
+    for flag, key in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
         token = special.get(key)
-        if not config.get(flag, False) or token is None:
+        if flag not in config or token is None:
             continue
-        token_id = backend.token_to_id(token)
-        if token_id is None:
-            raise TokenizerError(f"{path}: {flag} is set but {key} {token!r} is not in the vocabulary")
-        template = f"{template} {token}:0" if at_end else f"{token}:0 {template}"
-        pairs.append((token, token_id))
-    backend.post_processor = processors.TemplateProcessing(single=template, special_tokens=pairs)
+        adds = backend.token_to_id(token) in added
+        if bool(config[flag]) != adds:
+            log.warning(
+                "%s: tokenizer_config.json sets %s=%s but tokenizer.json's post-processor %s %s; "
+                "following tokenizer.json, as transformers does",
+                path, flag, config[flag], "adds" if adds else "does not add", token,
+            )
 
 
 def _eos_token_ids(path: Path, backend: BackendTokenizer, special: dict) -> list[int]:
