@@ -111,14 +111,14 @@ def test_bfloat16_close_to_transformers_bfloat16(make_checkpoint):
     folder, reference = make_checkpoint()
     ours = load(folder, dtype=torch.bfloat16)
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
-    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 96, (1, 128), generator=torch.Generator().manual_seed(1))  # up to the last position
     with torch.no_grad():
-        expected = reference.to(torch.bfloat16)(ids).logits.float()
-        exact = reference.float()(ids).logits
-    got = ours(ids)
-    # bfloat16 keeps ~3 significant digits: compare with the error transformers itself makes.
-    hf_err = (expected - exact).abs().max().item()
-    assert (got - exact).abs().max().item() <= 2 * hf_err + 1e-3
+        exact = reference(ids).logits
+        approx = reference.to(torch.bfloat16)(ids).logits.float()
+    # bfloat16 keeps ~3 significant digits: allow the error transformers itself makes.
+    hf_err = (approx - exact).abs().max().item()
+    err = (ours(ids) - exact).abs().max().item()
+    assert err <= 1.5 * hf_err, f"bfloat16 error {err:.3g}, transformers' {hf_err:.3g}"
 
 
 def _shipped_parity(folder: Path) -> None:
