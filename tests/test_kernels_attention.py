@@ -13,9 +13,28 @@ import pytest
 import torch
 
 from dspark_kernels import ops, reference
-from dspark_kernels.testing import AttentionCase, make_attention_case
+from dspark_kernels.testing import (
+    AttentionCase,
+    interpreter_in_process,
+    make_attention_case,
+    rerun_under_interpreter,
+)
 
-ops.enable_interpreter()
+IN_PROCESS = interpreter_in_process()
+
+
+@pytest.fixture(autouse=True)
+def _under_interpreter(request):
+    """Every test here needs the interpreter in process, or this file reruns."""
+    if not IN_PROCESS and request.function.__name__ != "test_file_under_interpreter":
+        pytest.skip("triton was imported for the compiler; rerun in a fresh process")
+
+
+if not IN_PROCESS:
+
+    def test_file_under_interpreter():
+        rerun_under_interpreter(__file__)
+
 
 # Kept before `triton_only` replaces the module attribute the dispatcher uses.
 REFERENCE = reference.window_attention

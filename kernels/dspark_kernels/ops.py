@@ -65,22 +65,32 @@ def use_backend(backend: Backend) -> Iterator[None]:
         set_backend(previous)
 
 
-_KERNEL_MODULES = ("ring_write", "window_attention", "rejection")
-
-
 def enable_interpreter() -> None:
     """Run the Triton kernels in Triton's interpreter from now on (CPU tensors).
 
     For tests and CPU benchmarks only: it sets TRITON_INTERPRET=1 for the
-    whole process and re-imports any kernel module already decorated for the
-    GPU compiler, so the order in which test modules were imported does not
-    matter.
+    whole process. Triton picks interpreter or compiler when a function is
+    decorated, its own library included, so this must run before `triton` is
+    first imported (this package imports it lazily, on the first Triton call).
+
+    Raises:
+      KernelBackendError: triton was already imported for the compiler; set
+        TRITON_INTERPRET=1 in the environment of the process instead.
     """
+    if "triton" in sys.modules and not _triton_interprets():
+        raise KernelBackendError(
+            "triton was imported before enable_interpreter(); export TRITON_INTERPRET=1 "
+            "before starting the process, or call enable_interpreter() earlier"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
-    for name in _KERNEL_MODULES:
-        module = sys.modules.get(f"dspark_kernels.{name}")
-        if module is not None and not module.runs_in_interpreter():
-            importlib.reload(module)
+
+
+def _triton_interprets() -> bool:
+    """Whether the imported triton decorated its own library for the interpreter."""
+    import triton
+    import triton.language as tl
+
+    return not isinstance(tl.argmax, triton.runtime.JITFunction)
 
 
 def _kernel_module(name: str):

@@ -9,11 +9,39 @@ returns NaN, so a finite, matching output proves nothing stale was read.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from dspark_kernels import ops
 from dspark_kernels.reference import PAD_POSITION
+
+
+def interpreter_in_process() -> bool:
+    """Enable Triton's interpreter in this process; False if triton came first.
+
+    Test modules call this at import. When some earlier import already loaded
+    triton for the compiler, the module reruns itself in a fresh process with
+    `rerun_under_interpreter` instead of silently testing the reference.
+    """
+    try:
+        ops.enable_interpreter()
+    except ops.KernelBackendError:
+        return False
+    return True
+
+
+def rerun_under_interpreter(test_file: str, timeout_s: float = 600.0) -> None:
+    """Run one test file with pytest in a fresh TRITON_INTERPRET=1 process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, (
+        f"{test_file} failed under the interpreter:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+    )
 
 
 @dataclass(frozen=True)
