@@ -125,8 +125,10 @@ def _emit_partial_kernel(
                 residual = tl.maximum(p - q, 0.0)
             else:
                 residual = p
-            res_score = tl.where(mask, residual / noise, -1.0)
-            p_score = tl.where(mask, p / noise, -1.0)
+            # div_rn: correctly rounded like torch, so the race picks the
+            # reference's token (plain '/' may lower to an approximate divide).
+            res_score = tl.where(mask, tl.div_rn(residual, noise), -1.0)
+            p_score = tl.where(mask, tl.div_rn(p, noise), -1.0)
             # Strict '>' keeps the first maximum, as torch.argmax does.
             block_best = tl.max(res_score, axis=0)
             if block_best > best_res:
