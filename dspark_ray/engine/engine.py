@@ -73,6 +73,7 @@ class StepTimings:
 class EngineCounters:
     steps: int = 0
     draft_failures: int = 0
+    preemptions: int = 0  # requests whose target KV was freed to make room (recomputed later)
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -169,7 +170,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests in flight, or outputs (of aborts) not yet returned by ``step``."""
+        return self.scheduler.has_work() or bool(self._pending)
 
     # -- the step ------------------------------------------------------------
 
@@ -178,6 +180,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.counters.preemptions += len(plan.preempted)
         self._release_target.extend(r.slot for r in plan.preempted)
         self._lease_slots(plan)
         t1 = time.perf_counter()

@@ -1,0 +1,219 @@
+"""The Ray actors behind one server replica, and the engine-side facades over them.
+
+Per replica: one ``TargetShard`` actor per tensor-parallel rank (a
+torch.distributed group among them: gloo on CPU, NCCL on CUDA) and one
+``DraftWorker``; per application: the slot manager (``dspark_ray.slots``).
+The facades (``RayTarget``, ``RayDraft``, ``RaySlots``) give the engine the
+same ``TargetService``/``DraftService``/``SlotService`` methods it uses in
+process, so the engine does not know it is distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
+from dspark_ray.slots import SlotLease, SlotsExhausted, start_slot_manager
+
+log = logging.getLogger(__name__)
+
+
+class TensorParallelDivergence(RuntimeError):
+    """Two tensor-parallel ranks verified differently: their KV is no longer consistent."""
+
+
+class SlotServiceUnavailable(RuntimeError):
+    """The slot manager did not answer within the admission timeout."""
+
+
+class TargetShard:
+    """Rank ``rank`` of the target: its shard of the weights, its KV pool, its table."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int) -> None:
+        torch.set_num_threads(torch_threads)
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.runner = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port for the group's rendezvous (called on rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity."""
+        from dspark_ray.engine.local import runtime_dtype
+        from dspark_ray.engine.target_runner import TargetRunner
+        from dspark_ray.model import load
+        from dspark_ray.model.tp import TensorParallel
+
+        cfg = self.config
+        tp = None
+        if self.world_size > 1:
+            backend = "nccl" if cfg.device == "cuda" else "gloo"
+            torch.distributed.init_process_group(
+                backend, init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank, world_size=self.world_size,
+            )
+            tp = TensorParallel(self.rank, self.world_size)
+        model = load(cfg.model, dtype=runtime_dtype(cfg.dtype, cfg.device), device=cfg.device, tp=tp)
+        self.runner = TargetRunner(model, cfg.capacity, cfg.max_context, cfg.kv_tokens + 1, cfg.spec_tokens)
+        return self.runner.kv_capacity()
+
+    def step(self, batch: TargetStep) -> VerifyResult:
+        return self.runner.step(batch)
+
+    def release(self, slots: list[int]) -> None:
+        self.runner.release(slots)
+
+    def kv_free(self) -> int:
+        return self.runner.kv_free()
+
+
+class DraftWorker:
+    """The draft model, its window cache and kernels."""
+
+    def __init__(self, config: EngineConfig, torch_threads: int) -> None:
+        from dspark_ray.engine.draft_proposer import DraftProposer
+        from dspark_ray.engine.local import runtime_dtype
+        from dspark_ray.model import load
+
+        torch.set_num_threads(torch_threads)
+        model = load(config.draft, dtype=runtime_dtype(config.dtype, config.device), device=config.device)
+        self.proposer = DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens)
+
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        return self.proposer.propose(rows)
+
+
+class RayTarget:
+    """TargetService over all ranks: one step goes to every rank at once."""
+
+    def __init__(self, shards: list, kv_capacity: int) -> None:
+        self.shards = shards
+        self._kv_capacity = kv_capacity
+
+    def kv_capacity(self) -> int:
+        return self._kv_capacity
+
+    def step(self, batch: TargetStep) -> VerifyResult:
+        ref = ray.put(batch)
+        results = ray.get([s.step.remote(ref) for s in self.shards])
+        if any(r != results[0] for r in results[1:]):
+            raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
+        return results[0]
+
+    def release(self, slots: list[int]) -> None:
+        ray.get([s.release.remote(slots) for s in self.shards])
+
+
+class RayDraft:
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        return ray.get(self.worker.propose.remote(rows))
+
+
+class RaySlots:
+    """SlotService over the application's slot-manager actor.
+
+    A slot manager that is restarting makes admissions wait (up to
+    ``timeout_s``) rather than fail; ``SlotsExhausted`` passes through.
+    """
+
+    def __init__(self, manager, timeout_s: float) -> None:
+        self.manager = manager
+        self.timeout_s = timeout_s
+
+    def allocate_many(self, req_ids, owner: str = "") -> list[SlotLease]:
+        return self._call("allocate_many", list(req_ids), owner)
+
+    def release_many(self, req_ids_with_epochs) -> list[bool]:
+        return self._call("release_many", list(req_ids_with_epochs))
+
+    def _call(self, method: str, *args):
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return ray.get(getattr(self.manager, method).remote(*args), timeout=self.timeout_s)
+            except SlotsExhausted:
+                raise
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise SlotServiceUnavailable(f"slot manager unavailable for {self.timeout_s}s: {exc}") from exc
+                time.sleep(0.2)
+
+
+@dataclass
+class ReplicaServices:
+    """Everything one server replica started; ``shutdown`` stops it."""
+
+    placement_group: PlacementGroup
+    shards: list
+    draft_worker: object | None
+    slot_manager: object
+    target: RayTarget
+    draft: RayDraft | None
+    slots: RaySlots
+
+    def shutdown(self) -> None:
+        for actor in [*self.shards, self.draft_worker]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+def start_replica_services(
+    config: EngineConfig,
+    *,
+    app_name: str,
+    replica: str,
+    tensor_parallel_size: int,
+    placement_strategy: str,
+    cpus_per_shard: float,
+    torch_threads: int,
+    slot_timeout_s: float,
+) -> ReplicaServices:
+    """Start the target shards and draft worker of one replica, and find the slot manager."""
+    gpu = 1 if config.device == "cuda" else 0
+    # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
+    bundles = [{"CPU": 2 * cpus_per_shard, **({"GPU": 1} if gpu else {})}]
+    bundles += [{"CPU": cpus_per_shard, **({"GPU": 1} if gpu else {})} for _ in range(tensor_parallel_size - 1)]
+    pg = placement_group(bundles, strategy=placement_strategy, name=f"dspark:{app_name}:{replica}")
+    ray.get(pg.ready(), timeout=600)
+
+    def opts(bundle: int, name: str, gpus: float):
+        return dict(
+            name=name, num_cpus=cpus_per_shard, num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+        )
+
+    shard_cls = ray.remote(TargetShard)
+    shards = [
+        shard_cls.options(**opts(r, f"dspark:target:{replica}:rank{r}", gpu * (0.5 if r == 0 else 1)))
+        .remote(config, r, tensor_parallel_size, torch_threads)
+        for r in range(tensor_parallel_size)
+    ]
+    addr, port = ray.get(shards[0].address.remote())
+    capacities = ray.get([s.setup.remote(addr, port) for s in shards])
+    worker = draft = None
+    if config.draft and config.spec_tokens > 0:
+        worker = ray.remote(DraftWorker).options(**opts(0, f"dspark:proposer:{replica}", gpu * 0.5)).remote(
+            config, torch_threads)
+        draft = RayDraft(worker)
+    manager = start_slot_manager(config.capacity, app_name, detached=True)
+    return ReplicaServices(
+        placement_group=pg, shards=shards, draft_worker=worker, slot_manager=manager,
+        target=RayTarget(shards, min(capacities)), draft=draft, slots=RaySlots(manager, slot_timeout_s),
+    )

@@ -1,0 +1,150 @@
+"""EngineLoop: runs an Engine's steps on a dedicated thread for asyncio callers.
+
+The engine is synchronous and single-threaded; Serve handlers are coroutines.
+Handlers put commands (add, abort) in an inbox; the loop thread applies them
+between steps, so the engine is only ever touched by that thread. Each
+request's outputs flow back through its own asyncio queue. An add is answered
+through a future, so a request the engine rejects (InvalidRequest) fails its
+caller at once and never enters the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from dspark_ray.engine import Engine, RequestOutput, SamplingParams
+from dspark_ray.engine.request import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(RuntimeError):
+    """Too many requests are waiting; the caller should retry later."""
+
+    def __init__(self, waiting: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"{waiting} requests are already waiting; retry in {retry_after_s}s")
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped; the replica cannot serve."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_queued_requests: int, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.idle_wait_s = idle_wait_s
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ----------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + len(self._inbox)
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, req_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the request is aborted if the caller stops listening."""
+        if not self.alive:
+            raise EngineDead(f"the engine loop is not running: {self.error!r}")
+        waiting = self.num_waiting()
+        if waiting >= self.max_queued_requests:
+            raise Overloaded(waiting)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt, params, req_id)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                accepted.set_exception(exc)
+                return
+            self._streams[req_id] = (loop, queue)
+            accepted.set_result(None)
+
+        self._submit(add)
+        await asyncio.wrap_future(accepted)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req_id)
+
+    def abort(self, req_id: str) -> None:
+        def abort() -> None:
+            self.engine.abort(req_id)
+
+        self._submit(abort)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._inbox.append(command)
+        self._wake.set()
+
+    # -- engine thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                while self._inbox:
+                    self._inbox.popleft()()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # the engine broke: fail everything in flight, keep serving
+                    log.exception("engine step failed")
+                    outputs = self._fail_all(exc)
+                self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
+            self.error = exc
+            log.exception("engine loop died")
+            for loop, queue in self._streams.values():
+                loop.call_soon_threadsafe(queue.put_nowait, EngineDead(str(exc)))
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        for req_id in list(self.engine.requests):
+            self.engine.abort(req_id, FinishReason.ERROR, error=f"engine failed: {exc}")
+        return self.engine.step()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None:
+                continue
+            loop, queue = stream
+            if out.finished:
+                del self._streams[out.req_id]
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is gone
+                pass

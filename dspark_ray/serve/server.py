@@ -1,0 +1,301 @@
+"""DSparkServer: one Serve replica — the OpenAI HTTP routes, the handle API and one engine loop.
+
+The builder in ``dspark_ray.serve.app`` applies ``@serve.deployment`` and
+``@serve.ingress``; this class stays a plain class with FastAPI routes. Each
+replica starts its own target shards and draft worker and shares the
+application's slot manager with the other replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from ray import serve
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
+from dspark_ray.serve.actors import SlotServiceUnavailable, start_replica_services
+from dspark_ray.serve.config import AppConfig
+from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
+from dspark_ray.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateChunk,
+    GenerateRequest,
+    Speculation,
+    Usage,
+    new_id,
+    now,
+)
+from dspark_ray.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+api = FastAPI(title="dspark_ray", description="Speculative-decoding LLM serving (OpenAI-compatible)")
+
+
+class APIError(Exception):
+    """An error with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.err_type, self.headers = err_type, headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def sse(self) -> str:
+        return _sse({"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                               "code": self.code}})
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, exc.message, param=exc.field)
+    if isinstance(exc, Overloaded):
+        return APIError(503, str(exc), code="overloaded", err_type="server_error",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, SlotServiceUnavailable):
+        return APIError(503, str(exc), code="slots_unavailable", err_type="server_error",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), code="engine_dead", err_type="server_error", headers={"Retry-After": "5"})
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {exc}", err_type="server_error")
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = f"unsupported option {param!r}"
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+class DSparkServer:
+    def __init__(self, config: dict | AppConfig) -> None:
+        self.config = config if isinstance(config, AppConfig) else AppConfig(**config)
+        cfg = self.config
+        ctx = serve.get_replica_context()
+        app_name = ctx.replica_id.deployment_id.app_name or "dspark"
+        replica = ctx.replica_id.unique_id
+        engine_config = cfg.engine_config()
+        self.tokenizer = Tokenizer.from_path(cfg.model)
+        self.services = start_replica_services(
+            engine_config, app_name=app_name, replica=replica,
+            tensor_parallel_size=cfg.tensor_parallel_size, placement_strategy=cfg.placement_strategy,
+            cpus_per_shard=cfg.cpus_per_shard, torch_threads=cfg.torch_threads,
+            slot_timeout_s=cfg.slot_admission_timeout_s,
+        )
+        s = self.services
+        engine = Engine(engine_config, self.tokenizer, s.slots, s.target, s.draft, owner=replica)
+        self.loop = EngineLoop(engine, cfg.max_queued_requests)
+        log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
+        services = getattr(self, "services", None)
+        if services is not None:
+            services.shutdown()
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a dead engine loop gets the replica replaced."""
+        if not self.loop.alive:
+            raise EngineDead(f"engine loop stopped: {self.loop.error!r}")
+
+    # -- HTTP ----------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self, request: Request) -> JSONResponse:
+        if not self.loop.alive:
+            return JSONResponse({"status": "unhealthy", "error": repr(self.loop.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return err.response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "dspark_ray"}]})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        try:
+            req = await self._parse(request, CompletionRequest)
+            prompt = req.prompt_input()
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            return await self._respond(req, ids, req.sampling_params(), new_id("cmpl"), chat=False)
+        except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
+            return _api_error(exc).response()
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        try:
+            req = await self._parse(request, ChatCompletionRequest)
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            room = max(1, self.config.max_context - len(ids))
+            params = req.sampling_params(default_max_tokens=room)
+            return await self._respond(req, ids, params, new_id("chatcmpl"), chat=True)
+        except Exception as exc:  # noqa: BLE001
+            return _api_error(exc).response()
+
+    # -- handle API ------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
+        """Stream a generation: ``handle.options(stream=True).generate.remote(GenerateRequest(...))``."""
+        req = request if isinstance(request, GenerateRequest) else GenerateRequest(**request)
+        prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
+        req_id = req.request_id or new_id("gen")
+        async for out in self.loop.generate(prompt, req.sampling_params(), req_id):
+            yield GenerateChunk(
+                request_id=req_id, text=out.new_text, token_ids=out.new_token_ids, finished=out.finished,
+                finish_reason=out.finish_reason, error=out.error,
+                usage=_usage(out) if out.finished else None, speculation=Speculation.of(out.spec),
+            )
+
+    async def complete(self, request: GenerateRequest | dict) -> GenerateChunk:
+        """The whole generation in one response: ``handle.complete.remote(GenerateRequest(...))``."""
+        text, ids, last = [], [], None
+        async for chunk in self.generate(request):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            last = chunk
+        return last.model_copy(update={"text": "".join(text), "token_ids": ids})
+
+    async def stats(self) -> dict:
+        """Replica state for operators and tests: engine counters, KV pool, queue lengths."""
+        engine = self.loop.engine
+        return {
+            "running": len(engine.scheduler.running),
+            "waiting": self.loop.num_waiting(),
+            "kv_capacity": engine.target.kv_capacity(),
+            "finished": dict(engine.counters.finished),
+            "steps": engine.counters.steps,
+            "draft_failures": engine.counters.draft_failures,
+        }
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key and request.headers.get("authorization") != f"Bearer {key}":
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+        self._authorize(request)
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as exc:
+            raise _validation_error(exc) from exc
+        if req.model != self.config.model_name:
+            raise APIError(400, f"model {req.model!r} is not served here; use {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+        return req
+
+    async def _respond(self, req, ids: list[int], params: SamplingParams, req_id: str, chat: bool):
+        stream = self.loop.generate(ids, params, req_id)
+        first = await anext(stream)  # errors surface here, before any response is sent
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(stream, first, req_id, chat, include_usage),
+                                     media_type="text/event-stream")
+        outs = [first]
+        async for out in stream:
+            outs.append(out)
+        last = outs[-1]
+        if last.finish_reason == "error":
+            raise APIError(503, last.error or "generation failed", err_type="server_error", code="engine_error")
+        text = "".join(o.new_text for o in outs)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
+                  if chat else {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None})
+        body = {
+            "id": req_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+            "model": self.config.model_name, "choices": [choice], "usage": _usage(last).model_dump(),
+            "speculation": Speculation.of(last.spec).model_dump() if last.spec else None,
+        }
+        return JSONResponse(body)
+
+    async def _sse(self, stream: AsyncIterator[RequestOutput], first: RequestOutput, req_id: str, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": req_id, "object": obj, "created": now(), "model": self.config.model_name}
+        if chat:
+            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]})
+
+        async def outputs():
+            yield first
+            async for out in stream:
+                yield out
+
+        try:
+            async for out in outputs():
+                if out.finish_reason == "error":
+                    yield APIError(503, out.error or "generation failed", err_type="server_error",
+                                   code="engine_error").sse()
+                    break
+                if out.new_text or out.finished:
+                    choice = ({"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                               "finish_reason": out.finish_reason} if chat else
+                              {"index": 0, "text": out.new_text, "finish_reason": out.finish_reason,
+                               "logprobs": None})
+                    chunk = {**base, "choices": [choice]}
+                    if out.finished and out.spec is not None:
+                        chunk["speculation"] = Speculation.of(out.spec).model_dump()
+                    yield _sse(chunk)
+                if out.finished and include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(out).model_dump()})
+        except Exception as exc:  # noqa: BLE001 - reported in the stream
+            yield _api_error(exc).sse()
+        yield "data: [DONE]\n\n"
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                 total_tokens=out.num_prompt_tokens + out.num_output_tokens)
+
+
+# Applied where ``api`` lives, so that every process importing this module (the
+# replicas unpickling the deployment included) turns the methods above into
+# class-based routes.
+DSparkIngress = serve.ingress(api)(DSparkServer)
