@@ -169,11 +169,11 @@ def test_query_with_no_visible_key_returns_zeros(backend):
 def test_wrong_inputs_are_rejected_before_launch():
     case = make_attention_case(2, 1, 4, 2, 16, window=4, seed=7)
     args = list(case.args())
-    with pytest.raises(ValueError, match="positions: expected dtype"):
+    with pytest.raises(ops.KernelInputError, match="positions: expected dtype"):
         ops.window_attention(*args[:4], case.positions.int(), *args[5:])
-    with pytest.raises(ValueError, match="q: must be contiguous"):
+    with pytest.raises(ops.KernelInputError, match="q: must be contiguous"):
         ops.window_attention(case.q.transpose(2, 3).contiguous().transpose(2, 3), *args[1:])
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ops.KernelInputError, match="window"):
         ops.window_attention(*args[:6], case.k_cache.shape[1] + 1, case.scale)
-    with pytest.raises(ValueError, match="multiple of kv_heads"):
+    with pytest.raises(ops.KernelInputError, match="multiple of kv_heads"):
         ops.window_attention(case.q[:, :, :3].contiguous(), *args[1:])

@@ -149,5 +149,5 @@ def test_generators_are_consumed_in_order():
 
 
 def test_draw_random_checks_one_generator_per_row():
-    with pytest.raises(ValueError, match="expected 3 entries"):
+    with pytest.raises(ops.KernelInputError, match="expected 3 entries"):
         ops.draw_random([1, 2], 3, 2, 8, "cpu")

@@ -89,12 +89,12 @@ def test_padding_entries_touch_nothing(backend):
 
 def test_wrong_inputs_are_rejected_before_launch():
     case = make_ring_write_case(2, 2, 2, 8, 4, seed=4)
-    with pytest.raises(ValueError, match="slots: expected dtype"):
+    with pytest.raises(ops.KernelInputError, match="slots: expected dtype"):
         ops.ring_write(case.k_cache, case.v_cache, case.slots.int(), case.positions, case.k, case.v)
-    with pytest.raises(ValueError, match="k: expected shape"):
+    with pytest.raises(ops.KernelInputError, match="k: expected shape"):
         ops.ring_write(case.k_cache, case.v_cache, case.slots, case.positions, case.k[:, :1], case.v)
-    with pytest.raises(ValueError, match="v_cache: expected dtype"):
+    with pytest.raises(ops.KernelInputError, match="v_cache: expected dtype"):
         ops.ring_write(case.k_cache, case.v_cache.half(), case.slots, case.positions, case.k, case.v)
-    with pytest.raises(ValueError, match="k_cache: must be contiguous"):
+    with pytest.raises(ops.KernelInputError, match="k_cache: must be contiguous"):
         k_cache = case.k_cache.transpose(2, 3).contiguous().transpose(2, 3)
         ops.ring_write(k_cache, case.v_cache, case.slots, case.positions, case.k, case.v)

@@ -41,6 +41,10 @@ class KernelBackendError(RuntimeError):
     """The requested backend cannot run on the given tensors."""
 
 
+class KernelInputError(ValueError):
+    """A kernel argument has the wrong shape, dtype, device or layout."""
+
+
 def set_backend(backend: Backend) -> None:
     """Select the kernel backend for every later call (process-wide)."""
     global _backend
@@ -123,7 +127,7 @@ def _use_triton(module_name: str, device: torch.device) -> bool:
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise KernelInputError(message)
 
 
 def _check_tensor(
