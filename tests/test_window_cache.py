@@ -236,5 +236,5 @@ class CacheMachine(RuleBasedStateMachine):
                     assert torch.equal(k, v + layer)
 
 
-CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+CacheMachine.TestCase.settings = settings(max_examples=35, stateful_step_count=20, deadline=None)
 TestCacheMachine = CacheMachine.TestCase

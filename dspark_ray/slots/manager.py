@@ -62,16 +62,18 @@ class _SlotMetrics:
             tag_keys=("app",),
         )
         tags = {"app": app_name or "default"}
-        for metric in self._all():
+        for metric in (
+            self.in_use,
+            self.capacity,
+            self.allocations,
+            self.releases,
+            self.stale_releases,
+            self.exhausted,
+            self.hold_time,
+        ):
             metric.set_default_tags(tags)
         self.capacity.set(capacity)
         self._published = SlotCounters()
-
-    def _all(self) -> list[Gauge | Counter | Histogram]:
-        return [
-            self.in_use, self.capacity, self.allocations, self.releases,
-            self.stale_releases, self.exhausted, self.hold_time,
-        ]  # fmt: skip
 
     def observe_release(self, lease: SlotLease, held_s: float) -> None:
         self.hold_time.observe(held_s)

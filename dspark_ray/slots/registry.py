@@ -139,14 +139,7 @@ class SlotRegistry:
         A request id that is already live gets its existing lease back unchanged.
         Raises ``SlotsExhausted`` (and changes nothing) when no slot is free.
         """
-        with self._lock:
-            held = self._live.get(req_id)
-            if held is not None:
-                return held[0]
-            if not self._free:
-                self._exhausted += 1
-                raise SlotsExhausted(self._exhausted_message(1))
-            return self._take(req_id, owner, self._clock())
+        return self.allocate_many([req_id], owner)[0]
 
     def allocate_many(self, req_ids: Iterable[str], owner: str = "") -> list[SlotLease]:
         """``allocate`` for a batch, all or nothing: leases in the order of ``req_ids``.
@@ -159,7 +152,10 @@ class SlotRegistry:
             new = {r for r in req_ids if r not in self._live}
             if len(new) > len(self._free):
                 self._exhausted += 1
-                raise SlotsExhausted(self._exhausted_message(len(new)))
+                raise SlotsExhausted(
+                    f"need {len(new)} free slot(s), {len(self._free)} of {self._capacity} free; "
+                    "admit fewer requests or raise the slot capacity"
+                )
             now = self._clock()
             return [
                 self._live[r][0] if r in self._live else self._take(r, owner, now)
@@ -172,12 +168,6 @@ class SlotRegistry:
         self._live[req_id] = (lease, now)
         self._allocations += 1
         return lease
-
-    def _exhausted_message(self, wanted: int) -> str:
-        return (
-            f"need {wanted} free slot(s), {len(self._free)} of {self._capacity} free; "
-            "admit fewer requests or raise the slot capacity"
-        )
 
     # --- release ----------------------------------------------------------
 
@@ -192,11 +182,12 @@ class SlotRegistry:
 
     def release_many(self, req_ids_with_epochs: Iterable[tuple[str, int | None]]) -> list[bool]:
         """``release`` for a batch of ``(req_id, epoch or None)``; one bool per item."""
+        items = list(req_ids_with_epochs)
         freed: list[tuple[SlotLease, float]] = []
         results = []
         with self._lock:
             now = self._clock()
-            for req_id, epoch in req_ids_with_epochs:
+            for req_id, epoch in items:
                 held = self._live.get(req_id)
                 if held is None or (epoch is not None and held[0].epoch != epoch):
                     self._stale_releases += 1

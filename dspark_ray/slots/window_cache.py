@@ -21,10 +21,15 @@ of what a query may see.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from dspark_kernels.ops import ring_write
+
+
+# Index arguments may be int64 tensors (the hot path) or plain sequences (tests, tools).
+Ints = torch.Tensor | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ class DraftWindowCache:
         self.epoch = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
         self.length = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
 
-    def bind(self, slots: torch.Tensor, epochs: torch.Tensor) -> None:
+    def bind(self, slots: Ints, epochs: Ints) -> None:
         """Binds each slot ``[B]`` to its lease's epoch ``[B]``; a changed epoch empties the slot."""
         slots, epochs = self._long(slots), self._long(epochs)
         same = self.epoch[slots] == epochs
@@ -87,8 +92,8 @@ class DraftWindowCache:
     def append(
         self,
         layer: int,
-        slots: torch.Tensor,  # [B] int64
-        positions: torch.Tensor,  # [B, T] int64 absolute positions, < 0 = padding
+        slots: Ints,  # [B] int64
+        positions: torch.Tensor | Sequence[Sequence[int]],  # [B, T] int64 absolute positions, < 0 = padding
         k: torch.Tensor,  # [B, T, kv_heads, head_dim]
         v: torch.Tensor,  # [B, T, kv_heads, head_dim]
     ) -> None:
@@ -104,7 +109,7 @@ class DraftWindowCache:
         ends = (positions.amax(dim=1) + 1).clamp_min(0)  # [B]; all-padding rows give 0
         self.length.scatter_reduce_(0, slots, ends, reduce="amax")
 
-    def set_length(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+    def set_length(self, slots: Ints, lengths: Ints) -> None:
         """Rolls each slot ``[B]`` back to ``lengths`` ``[B]`` positions (rejected tokens vanish).
 
         Never lengthens a slot: positions not written in its epoch cannot become visible.
@@ -115,8 +120,8 @@ class DraftWindowCache:
     def window_view(
         self,
         layer: int,
-        slots: torch.Tensor,  # [B] int64
-        positions: torch.Tensor,  # [B] int64 query positions, < 0 = padding
+        slots: Ints,  # [B] int64
+        positions: Ints,  # [B] int64 query positions, < 0 = padding
     ) -> WindowView:
         """The keys and values each query may attend to, as a fixed-size masked window."""
         slots, positions = self._long(slots), self._long(positions)
@@ -139,5 +144,5 @@ class DraftWindowCache:
         mask = view.mask[0]
         return view.k[0][mask], view.v[0][mask], view.key_positions[0][mask]
 
-    def _long(self, x: torch.Tensor) -> torch.Tensor:
+    def _long(self, x: torch.Tensor | Sequence) -> torch.Tensor:
         return torch.as_tensor(x, dtype=torch.int64, device=self.device).contiguous()
