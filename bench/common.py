@@ -1,0 +1,68 @@
+"""Shared pieces of the benchmarks: prompts, timing, tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+OUT_DIR = BENCH_DIR / "out"
+TARGET = REPO / "models" / "shakespeare-target"
+DRAFT = REPO / "models" / "shakespeare-draft"
+
+
+def load_prompts(n: int) -> list[str]:
+    """Held-out prompts (Twelfth Night, not in the training split), cycled if n is larger."""
+    rows = [json.loads(line)["prompt"] for line in (BENCH_DIR / "prompts.jsonl").read_text().splitlines()]
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+@dataclass
+class Row:
+    system: str
+    batch: int
+    output_tokens: int
+    seconds: float
+    mean_acceptance_length: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def table(rows: list[Row], baseline: dict[int, Row]) -> str:
+    """Markdown: one line per row, with its ratio to the baseline row of the same batch."""
+    lines = ["| system | batch | output tok/s | vs baseline | mean acceptance length |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        base = baseline.get(r.batch)
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+        acc = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length else "-"
+        lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | {acc} |")
+    return "\n".join(lines)
+
+
+def save(name: str, rows: list[Row], markdown: str) -> None:
+    OUT_DIR.mkdir(exist_ok=True)
+    (OUT_DIR / f"{name}.md").write_text(markdown + "\n")
+    data = [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]
+    (OUT_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), "rows": data}, indent=2))
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,88 @@
+"""Speculation vs none, in one process, side by side; plus transformers' assisted generation.
+
+    .venv/bin/python bench/spec.py                 # shipped pair, batches 1 8 32
+    .venv/bin/python bench/spec.py --batches 1 --max-tokens 128
+
+Every configuration generates a fixed number of tokens (ignore_eos) from
+held-out prompts, greedily. Batch 1 runs several prompts one after another;
+larger batches run that many prompts at once. The ratio column compares each
+row with dspark_ray without speculation at the same batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import DRAFT, TARGET, Row, Timer, load_prompts, machine, save, table
+from dspark_ray import LLM, SamplingParams
+
+
+def run_dspark(llm: LLM, batch: int, repeats: int, max_tokens: int, label: str) -> Row:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(load_prompts(batch), params)  # warm-up
+    tokens, seconds, acc = 0, 0.0, []
+    prompts = load_prompts(batch * repeats)
+    for i in range(repeats):
+        with Timer() as t:
+            outs = llm.generate(prompts[i * batch:(i + 1) * batch], params)
+        seconds += t.seconds
+        tokens += sum(len(o.token_ids) for o in outs)
+        acc += [o.spec.mean_acceptance_length for o in outs if o.spec and o.spec.drafts]
+    return Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None)
+
+
+def run_transformers(prompts: list[str], max_tokens: int, k: int) -> list[Row]:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    target = LlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    draft = LlamaForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval()
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    rows = []
+    for label, extra in (("transformers generate", {}), ("transformers assisted (k=%d)" % k, {"assistant_model": draft})):
+        tokens, seconds = 0, 0.0
+        for i, p in enumerate([prompts[0]] + prompts):
+            ids = tok(p, return_tensors="pt").input_ids
+            with torch.inference_mode(), Timer() as t:
+                out = target.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=tok.eos_token_id, **extra)
+            if i > 0:  # the first is a warm-up
+                tokens += out.shape[1] - ids.shape[1]
+                seconds += t.seconds
+        rows.append(Row(label, 1, tokens, seconds))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats-at-1", type=int, default=8, help="prompts run one after another at batch 1")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-transformers", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = LLM(str(TARGET), None, max_context=512, capacity=64, max_num_seqs=64)
+    spec = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, max_context=512, capacity=64,
+               max_num_seqs=64)
+    rows, baseline = [], {}
+    for b in args.batches:
+        repeats = args.repeats_at_1 if b == 1 else 1
+        baseline[b] = run_dspark(base, b, repeats, args.max_tokens, "dspark_ray, no speculation")
+        rows += [baseline[b], run_dspark(spec, b, repeats, args.max_tokens, f"dspark_ray, speculation k={args.k}")]
+        print(table(rows[-2:], baseline).split("\n", 2)[2], flush=True)
+    if 1 in args.batches and not args.no_transformers:
+        rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
+    md = (f"Machine: {machine()}; {args.max_tokens} greedy tokens per request from held-out prompts.\n\n"
+          + table(rows, baseline))
+    print("\n" + md)
+    save("spec", rows, md)
+
+
+if __name__ == "__main__":
+    main()
