@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .registry import PADDING_SLOT
 
 PADDING_TOKEN = 0
 
