@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 
-
 PADDING_TOKEN = 0
 
 
