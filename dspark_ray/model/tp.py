@@ -14,7 +14,9 @@ only its slices of the checkpoint (``shard_slice`` tells the loader which).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,11 +31,47 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 
 
+class CollectiveTimer:
+    """Time this rank spends in all-reduces, summed until ``take()`` (the shard exports it per step).
+
+    On CUDA the all-reduce is asynchronous, so it is timed with CUDA events and
+    read after the step's results reached the host; on CPU (gloo) it blocks and
+    the wall clock is exact. Either way it includes waiting for slower ranks.
+    """
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def time(self, y: torch.Tensor):
+        if y.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """Seconds in collectives since the last call."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            self._events.clear()
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int
     world_size: int
     group: Any = None  # a torch.distributed ProcessGroup; None = the default group
+    timer: CollectiveTimer | None = field(default=None, compare=False)  # times the all-reduces if set
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -62,7 +100,11 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.tp.world_size > 1:
-            dist.all_reduce(y, group=self.tp.group)
+            if self.tp.timer is None:
+                dist.all_reduce(y, group=self.tp.group)
+            else:
+                with self.tp.timer.time(y):
+                    dist.all_reduce(y, group=self.tp.group)
         return y + self.bias if self.bias is not None else y
 
 
