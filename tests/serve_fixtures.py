@@ -1,0 +1,272 @@
+"""Fixtures for the serving tests: the model pair, a real Ray cluster and a real `serve run`.
+
+- ``serve_models``: the shipped pair (models/shakespeare-{target,draft}) when
+  its weights are there, else a tiny random pair (vocabulary 4096 with the
+  shipped tokenizer) saved once per session. The tests pass with either.
+- ``start_serve`` / ``stop_serve``: a local Ray head started by this process
+  (small object store, no dashboard), then ``serve run <yaml> --address ...``
+  as a real subprocess; stopping kills exactly what was started (never
+  ``ray stop``, which would take other people's clusters with it).
+
+Test modules import what they use from here by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SHIPPED_DRAFT, SHIPPED_TARGET, save_tiny_checkpoint
+
+VENV_BIN = Path(sys.executable).parent
+DEPLOY_YAML = REPO / "deploy" / "dspark.yaml"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+OBJECT_STORE_BYTES = 100 * 1024 * 1024
+SERVE_NAMESPACE = "serve"  # where Serve replicas (and so the slot manager they start) live
+
+# A random Llama the size the brief asks for: fast on CPU, divisible by TP 2.
+TINY_PAIR = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    eos_token_id=0,  # "<|endoftext|>" in the shipped tokenizer
+    bos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def shipped_pair_ready() -> bool:
+    return all((p / name).is_file() for p in (SHIPPED_TARGET, SHIPPED_DRAFT)
+               for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+@dataclass(frozen=True)
+class ServeModels:
+    target: Path
+    draft: Path
+    shipped: bool
+
+    @property
+    def name(self) -> str:
+        """The served model name (the target folder's name)."""
+        return self.target.name
+
+
+def save_tiny_pair(root: Path) -> tuple[Path, Path]:
+    """A random target and a perturbed copy as its draft (partial acceptance), with the shipped tokenizer."""
+    import torch
+
+    target, draft = root / "shakespeare-target", root / "shakespeare-draft"
+    hf = save_tiny_checkpoint(target, seed=0, **TINY_PAIR)
+    near = copy.deepcopy(hf)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
+    near.save_pretrained(draft)
+    for folder in (target, draft):
+        for name in TOKENIZER_FILES:
+            shutil.copy(SHIPPED_TARGET / name, folder / name)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def serve_models(tmp_path_factory) -> ServeModels:
+    if shipped_pair_ready():
+        return ServeModels(SHIPPED_TARGET, SHIPPED_DRAFT, shipped=True)
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("serve_models"))
+    return ServeModels(target, draft, shipped=False)
+
+
+# -- processes and ports ------------------------------------------------------------------------
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port_free(port: int, timeout_s: float = 15) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_is_free(port):
+            return True
+        time.sleep(0.2)
+    return port_is_free(port)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 5) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything in its group."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def log_tail(path: Path, chars: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "<no log>"
+
+
+# -- a real `serve run` ------------------------------------------------------------------------
+
+
+@dataclass
+class ServeRun:
+    """A running ``serve run`` of one YAML against a Ray head owned by this process."""
+
+    yaml: Path
+    port: int
+    app_name: str
+    model: str
+    args: dict
+    log: Path
+    proc: subprocess.Popen
+    gcs_address: str
+    extra_apps: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def serve_yaml(models: ServeModels, folder: Path) -> tuple[Path, int]:
+    """deploy/dspark.yaml itself on the shipped pair; otherwise a copy pointing at the tiny pair.
+
+    Only the checkpoint paths change (and the port, should 8000 be taken by
+    someone else's server on this shared machine): everything else is the
+    shipped file.
+    """
+    import yaml
+
+    text = DEPLOY_YAML.read_text()
+    config = yaml.safe_load(text)
+    port = config["http_options"]["port"]
+    if models.shipped and port_is_free(port):
+        return DEPLOY_YAML, port
+    app = config["applications"][0]
+    app["args"]["model"] = str(models.target)
+    app["args"]["draft"] = str(models.draft)
+    if not port_is_free(port):
+        port = config["http_options"]["port"] = free_port()
+    path = folder / "dspark.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, port
+
+
+def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 240) -> ServeRun:
+    """Start a Ray head here, then ``serve run`` the YAML as a subprocess; wait for /health."""
+    import httpx
+    import ray
+    import yaml
+
+    yaml_path, port = serve_yaml(models, folder)
+    config = yaml.safe_load(yaml_path.read_text())
+    app = config["applications"][0]
+    ray.init(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+             namespace="dspark-serve-tests", log_to_driver=False)
+    log = folder / "serve-run.log"
+    proc = None
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [str(VENV_BIN / "serve"), "run", "--address", gcs, str(yaml_path)],
+                cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        run = ServeRun(yaml_path, port, app["name"], models.name, app["args"], log, proc, gcs)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {proc.returncode}:\n{log_tail(log)}")
+            try:
+                if httpx.get(f"{run.base_url}/health", timeout=2).status_code == 200:
+                    return run
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"/health not ready after {startup_timeout_s}s:\n{log_tail(log)}")
+            time.sleep(0.5)
+    except BaseException:
+        if proc is not None:
+            stop_process(proc)
+        ray.shutdown()
+        raise
+
+
+def stop_serve(run: ServeRun) -> None:
+    """Delete the applications, stop `serve run`, then the Ray head (and with it every worker)."""
+    import ray
+    from ray import serve
+
+    try:
+        if ray.is_initialized():
+            serve.shutdown()
+    except Exception as exc:  # noqa: BLE001 - teardown goes on regardless
+        print(f"serve.shutdown failed: {exc!r}", file=sys.stderr)
+    finally:
+        stop_process(run.proc)
+        ray.shutdown()
+        wait_port_free(run.port)
+
+
+def slot_manager(app_name: str):
+    """The application's detached slot-manager actor (started by its replicas in Serve's namespace)."""
+    import ray
+
+    from dspark_ray.slots.manager import slot_manager_name
+
+    return ray.get_actor(slot_manager_name(app_name), namespace=SERVE_NAMESPACE)
+
+
+def slot_snapshot(app_name: str):
+    import ray
+
+    return ray.get(slot_manager(app_name).snapshot.remote(), timeout=30)
