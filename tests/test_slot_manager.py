@@ -14,6 +14,7 @@ from dspark_ray.slots import (
     SlotConflict,
     SlotLease,
     SlotsExhausted,
+    SlotsRecovering,
     get_slot_manager,
     slot_manager_name,
     start_slot_manager,
@@ -101,7 +102,7 @@ def _wait_for_metrics(app: str, expected: dict[str, float], timeout_s: float = 3
 
 
 def test_owners_restore_and_reconcile_after_the_actor_restarts(cluster):
-    manager = start_slot_manager(4, app_name="restart")
+    manager = start_slot_manager(4, app_name="restart", recovery_grace_s=1.5)
     a1, a2, a3 = ray.get(manager.allocate_many.remote(["a1", "a2", "a3"], "A"))
     (b1,) = ray.get(manager.allocate_many.remote(["b1"], "B"))
 
@@ -109,6 +110,9 @@ def test_owners_restore_and_reconcile_after_the_actor_restarts(cluster):
     fresh = _wait_for_the_restarted_actor(manager)
     assert (fresh.free, fresh.live) == (4, ())
 
+    # During the grace period nobody may take a slot a live owner has not re-registered yet.
+    with pytest.raises(SlotsRecovering):
+        ray.get(manager.allocate_many.remote(["early"], "C"))
     # A finished a2 while the actor was down: it restores what it held, then reconciles.
     ray.get(manager.restore.remote("A", [a1, a2, a3]))
     ray.get(manager.restore.remote("B", [b1]))
@@ -118,6 +122,7 @@ def test_owners_restore_and_reconcile_after_the_actor_restarts(cluster):
 
     snap = ray.get(manager.snapshot.remote())
     assert [held.lease for held in snap.live] == [a1, a3, b1]  # same slots, same epochs
+    time.sleep(1.5)
     (c1,) = ray.get(manager.allocate_many.remote(["c1"], "B"))
     assert c1.slot == a2.slot and c1.epoch > b1.epoch
     assert ray.get(manager.release_many.remote([("a2", a2.epoch)])) == [False]
@@ -135,3 +140,40 @@ def _wait_for_the_restarted_actor(manager, timeout_s: float = 60.0):
             pass
         time.sleep(0.2)
     raise TimeoutError("the slot manager did not come back after ray.kill")
+
+
+def test_sync_heals_a_restarted_manager_and_reports_conflicts(cluster):
+    manager = start_slot_manager(3, app_name="sync", recovery_grace_s=0.5)
+    a1, a2 = ray.get(manager.allocate_many.remote(["a1", "a2"], "A"))
+    ray.kill(manager, no_restart=False)
+    _wait_for_the_restarted_actor(manager)
+    # A's heartbeat re-installs both leases with their slots and epochs.
+    result = ray.get(manager.sync.remote("A", [a1, a2]))
+    assert (result.reclaimed, result.conflicts) == ([], [])
+    assert [held.lease for held in ray.get(manager.snapshot.remote()).live] == [a1, a2]
+    # A later heartbeat without a2 frees it (A lost track of it).
+    assert ray.get(manager.sync.remote("A", [a1])).reclaimed == [a2]
+    # A lease whose slot someone else holds now is a conflict, and is not kept.
+    time.sleep(0.5)
+    (b1,) = ray.get(manager.allocate_many.remote(["b1"], "B"))
+    ghost = SlotLease("a9", b1.slot, b1.epoch - 1, "A")
+    result = ray.get(manager.sync.remote("A", [a1, ghost]))
+    assert result.conflicts == [ghost]
+    assert {held.lease.req_id for held in ray.get(manager.snapshot.remote()).live} == {"a1", "b1"}
+
+
+def test_a_silent_owner_loses_its_leases(cluster):
+    manager = start_slot_manager(4, app_name="reaper", owner_timeout_s=1.0)
+    ray.get(manager.allocate_many.remote(["d1", "d2"], "dead-replica"))
+    ray.get(manager.allocate_many.remote(["l1"], "live-replica"))
+    deadline = time.monotonic() + 10
+    l1 = next(h.lease for h in ray.get(manager.snapshot.remote()).live if h.lease.req_id == "l1")
+    while time.monotonic() < deadline:
+        ray.get(manager.sync.remote("live-replica", [l1]))  # the live owner keeps its heartbeat
+        owners = {held.lease.owner for held in ray.get(manager.snapshot.remote()).live}
+        if owners == {"live-replica"}:
+            break
+        time.sleep(0.3)
+    snap = ray.get(manager.snapshot.remote())
+    assert {held.lease.req_id for held in snap.live} == {"l1"}
+    assert snap.counters.releases == 2 and snap.free == 3

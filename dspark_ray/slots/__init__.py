@@ -28,7 +28,9 @@ _EXPORTS = {
     "SlotSnapshot": "registry",
     "SlotsExhausted": "registry",
     "UnknownRequest": "registry",
+    "SyncResult": "registry",
     "SlotManager": "manager",
+    "SlotsRecovering": "manager",
     "get_slot_manager": "manager",
     "slot_manager_name": "manager",
     "start_slot_manager": "manager",
@@ -41,7 +43,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .manager import SlotManager, get_slot_manager, slot_manager_name, start_slot_manager
+    from .manager import SlotManager, SlotsRecovering, get_slot_manager, slot_manager_name, start_slot_manager
     from .registry import (
         PADDING_SLOT,
         LiveLease,
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
         SlotRegistry,
         SlotSnapshot,
         SlotsExhausted,
+        SyncResult,
         UnknownRequest,
     )
     from .req_to_token import KVPoolExhausted, ReqToTokenTable, TokenKVAllocator

@@ -13,6 +13,13 @@ incarnation could have issued (unless it allocated more than a million slots
 per second), so a consumer holding per-slot state from before the crash never
 mistakes a new hold for an old one.
 
+Owner liveness: every owner calls ``sync`` about once a second with the
+leases it holds (a heartbeat that also restores and reconciles). Leases of an
+owner silent for ``owner_timeout_s`` are reclaimed: a crashed server replica
+loses no capacity. After a restart the manager refuses allocations for
+``recovery_grace_s`` (``SlotsRecovering``, retryable) so that every live
+owner has re-registered its leases before any slot is handed out again.
+
 Retrying a call is safe (allocate of a live id returns its lease, releases
 carry epochs, restore of an installed lease is a no-op), but the actor is
 started without automatic task retries: an allocation replayed on a fresh
@@ -22,6 +29,8 @@ holds, and ``restore`` would then raise ``SlotConflict``.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -29,7 +38,13 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from .registry import SlotCounters, SlotLease, SlotRegistry, SlotSnapshot
+from .registry import SlotCounters, SlotError, SlotLease, SlotRegistry, SlotSnapshot, SyncResult
+
+log = logging.getLogger(__name__)
+
+
+class SlotsRecovering(SlotError):
+    """The slot manager just restarted and waits for owners to re-register; retry shortly."""
 
 _HOLD_TIME_BOUNDARIES_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600]
 
@@ -103,7 +118,14 @@ class SlotManager:
             microseconds, so epochs keep growing across actor restarts.
     """
 
-    def __init__(self, capacity: int, app_name: str = "", first_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        app_name: str = "",
+        first_epoch: int | None = None,
+        owner_timeout_s: float = 15.0,
+        recovery_grace_s: float = 3.0,
+    ) -> None:
         if first_epoch is None:
             first_epoch = time.time_ns() // 1000
         self._metrics = _SlotMetrics(app_name, capacity)
@@ -112,9 +134,22 @@ class SlotManager:
             first_epoch=first_epoch,
             on_release=self._metrics.observe_release,
         )
+        self._owner_timeout_s = owner_timeout_s
+        self._last_seen: dict[str, float] = {}
+        restarted = _was_restarted()
+        self._accepting_at = time.monotonic() + (recovery_grace_s if restarted else 0.0)
+        self._reaper = threading.Thread(target=self._reap_forever, name="slot-owner-reaper", daemon=True)
+        self._reaper.start()
 
     def allocate_many(self, req_ids: list[str], owner: str = "") -> list[SlotLease]:
-        """``SlotRegistry.allocate_many``: all or nothing, raises ``SlotsExhausted``."""
+        """``SlotRegistry.allocate_many``: all or nothing, raises ``SlotsExhausted``.
+
+        Raises ``SlotsRecovering`` during the grace period after a restart.
+        """
+        self._seen(owner)
+        wait = self._accepting_at - time.monotonic()
+        if wait > 0:
+            raise SlotsRecovering(f"slot manager restarted; owners are re-registering, retry in {wait:.1f}s")
         try:
             return self._registry.allocate_many(req_ids, owner)
         finally:
@@ -141,11 +176,57 @@ class SlotManager:
         finally:
             self._publish()
 
+    def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
+        """The owner's heartbeat: ``SlotRegistry.sync`` of the leases it holds."""
+        self._seen(owner)
+        try:
+            result = self._registry.sync(owner, leases)
+        finally:
+            self._publish()
+        if result.reclaimed or result.conflicts:
+            log.warning("sync from %s: reclaimed %d, conflicts %d", owner, len(result.reclaimed),
+                        len(result.conflicts))
+        return result
+
     def snapshot(self) -> SlotSnapshot:
         return self._registry.snapshot()
 
+    def _seen(self, owner: str) -> None:
+        if owner:
+            self._last_seen[owner] = time.monotonic()
+
+    def reap_silent_owners(self) -> list[SlotLease]:
+        """Reclaim the leases of owners not heard from for ``owner_timeout_s``."""
+        now = time.monotonic()
+        owners = {live.lease.owner for live in self._registry.snapshot().live if live.lease.owner}
+        freed = []
+        for owner in owners:
+            last = self._last_seen.setdefault(owner, now)  # restored before any call: start its clock
+            if now - last > self._owner_timeout_s:
+                freed += self._registry.reconcile(owner, [])
+                self._last_seen.pop(owner, None)
+                log.warning("owner %s silent for %.0fs: reclaimed its leases", owner, now - last)
+        if freed:
+            self._publish()
+        return freed
+
+    def _reap_forever(self) -> None:
+        while True:
+            time.sleep(min(1.0, self._owner_timeout_s / 4))
+            try:
+                self.reap_silent_owners()
+            except Exception:  # noqa: BLE001 - the reaper must survive to try again
+                log.exception("slot owner reaper failed")
+
     def _publish(self) -> None:
         self._metrics.publish(self._registry.in_use(), self._registry.counters())
+
+
+def _was_restarted() -> bool:
+    try:
+        return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # noqa: BLE001 - not running as an actor (tests, in-process use)
+        return False
 
 
 def start_slot_manager(
@@ -154,6 +235,8 @@ def start_slot_manager(
     *,
     namespace: str | None = None,
     detached: bool = False,
+    owner_timeout_s: float = 15.0,
+    recovery_grace_s: float = 3.0,
 ) -> ActorHandle:
     """Starts the application's slot-manager actor, or returns the running one.
 
@@ -173,7 +256,7 @@ def start_slot_manager(
             max_concurrency=1,
             num_cpus=0,
         )
-        .remote(capacity, app_name)
+        .remote(capacity, app_name, None, owner_timeout_s, recovery_grace_s)
     )
 
 

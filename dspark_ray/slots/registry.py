@@ -90,6 +90,14 @@ class SlotSnapshot:
 ReleaseHook = Callable[[SlotLease, float], None]
 
 
+@dataclass(frozen=True)
+class SyncResult:
+    """What ``SlotRegistry.sync`` changed for an owner."""
+
+    reclaimed: list[SlotLease]  # leases the owner no longer reported: freed
+    conflicts: list[SlotLease]  # leases the owner reported that someone else now holds
+
+
 class SlotRegistry:
     """Hands out slots ``1..capacity``, lowest free first, each with a fresh epoch.
 
@@ -249,6 +257,26 @@ class SlotRegistry:
             taken = {lease.slot for lease in new}
             self._free = [s for s in self._free if s not in taken]
             heapq.heapify(self._free)
+
+    def sync(self, owner: str, leases: Iterable[SlotLease]) -> SyncResult:
+        """Makes ``owner``'s leases exactly ``leases``: restores missing ones, frees the rest.
+
+        The owner's periodic statement of what it holds, which both heals a
+        registry rebuilt after a crash and reclaims leases the owner lost
+        track of. A lease that cannot be restored because its slot or id is
+        now held differently is reported in ``conflicts`` (the owner must end
+        that request) and not kept.
+        """
+        leases = list(leases)
+        conflicts = []
+        for lease in leases:
+            try:
+                self.restore(owner, [lease])
+            except SlotConflict:
+                conflicts.append(lease)
+        bad = {lease.req_id for lease in conflicts}
+        reclaimed = self.reconcile(owner, [lease.req_id for lease in leases if lease.req_id not in bad])
+        return SyncResult(reclaimed=reclaimed, conflicts=conflicts)
 
     def _check_restorable(self, owner: str, leases: list[SlotLease]) -> list[SlotLease]:
         """Returns the leases not yet installed; raises if any cannot be."""
