@@ -52,7 +52,7 @@ from dspark_ray.engine.outputs import RequestOutput, SpecSummary
 from dspark_ray.engine.request import FinishReason, Request, Status
 from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from dspark_ray.slots import SlotsExhausted
+from dspark_ray.slots import SlotLease, SlotsExhausted
 from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class Engine:
         self._release_leases: list[tuple[str, int]] = []
         self.timings = StepTimings()
         self.counters = EngineCounters()
+        self.target_error: Exception | None = None  # set when a target step failed; see reset_target
 
     # -- requests ------------------------------------------------------------
 
@@ -168,6 +169,31 @@ class Engine:
         self._pending.append(self._output(req, [], ""))
         self._flush_releases()
         return True
+
+    def sync_slots(self) -> int:
+        """Heartbeat to the slot service with every lease this engine holds.
+
+        After a slot-manager restart this re-registers the leases; a lease
+        that someone else took meanwhile ends its request with an error (its
+        slot is no longer its own). Returns the number of requests so ended.
+        """
+        leases = [SlotLease(r.req_id, r.slot, r.epoch, self.owner) for r in self.requests.values() if r.holds_slot]
+        result = self.slots.sync(self.owner, leases)
+        for lease in result.conflicts:
+            self.abort(lease.req_id, FinishReason.ERROR, error="its slot was lost while the slot manager restarted")
+        return len(result.conflicts)
+
+    def fail_all(self, error: str) -> None:
+        """End every request in flight with an error (the target lost its KV, say); nothing leaks."""
+        for req_id in list(self.requests):
+            self.abort(req_id, FinishReason.ERROR, error=error)
+
+    def reset_target(self, target: TargetService) -> None:
+        """Swap in a rebuilt target (after a shard died). Call only with no request holding a slot."""
+        assert not any(r.holds_slot for r in self.requests.values()), "requests still hold target KV"
+        self.target = target
+        self._release_target = []
+        self.target_error = None
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or outputs (of aborts) not yet returned by ``step``."""
@@ -265,12 +291,12 @@ class Engine:
         try:
             return self.target.step(TargetStep(rows, probs, release))
         except Exception as exc:
-            log.exception("target step failed; failing this step's requests")
-            for r in plan.rows:
-                self.scheduler.remove(r)
-                r.error = f"target failed: {exc}"
-                self._finish(r, FinishReason.ERROR)
-                self._pending.append(self._output(r, [], ""))
+            # The target's KV can no longer be trusted: every request holding a slot
+            # ends with an error; waiting ones stay queued for a rebuilt target.
+            log.exception("target step failed; ending every request that holds target KV")
+            self.target_error = exc
+            for r in [r for r in self.requests.values() if r.holds_slot]:
+                self.abort(r.req_id, FinishReason.ERROR, error=f"target failed: {exc}")
             return None
 
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
@@ -330,7 +356,10 @@ class Engine:
             self.slots.release_many(leases)
         if self._release_target and not self.scheduler.has_work():
             slots, self._release_target = self._release_target, []
-            self.target.release(slots)
+            try:
+                self.target.release(slots)
+            except Exception:  # noqa: BLE001 - a broken target is rebuilt empty; its KV is moot
+                log.exception("target release failed")
 
     def _output(self, req: Request, new: list[int], new_text: str) -> RequestOutput:
         s = req.spec

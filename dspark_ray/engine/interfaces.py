@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from dspark_ray.slots import SlotLease
+from dspark_ray.slots import SlotLease, SyncResult
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,10 @@ class SlotService(Protocol):
     def allocate_many(self, req_ids: Sequence[str], owner: str = "") -> list[SlotLease]: ...
 
     def release_many(self, req_ids_with_epochs: Iterable[tuple[str, int | None]]) -> list[bool]: ...
+
+    def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
+        """Heartbeat: the leases ``owner`` holds (restores them after a restart, frees others)."""
+        ...
 
 
 class DraftService(Protocol):
