@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
@@ -22,6 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
+from dspark_ray.model.tp import CollectiveTimer
+from dspark_ray.serve.metrics import ShardMetrics
 from dspark_ray.slots import SlotLease, SlotsExhausted, start_slot_manager
 
 log = logging.getLogger(__name__)
@@ -38,10 +41,13 @@ class SlotServiceUnavailable(RuntimeError):
 class TargetShard:
     """Rank ``rank`` of the target: its shard of the weights, its KV pool, its table."""
 
-    def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int,
+                 replica: str = "") -> None:
         torch.set_num_threads(torch_threads)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
+        self.collectives = CollectiveTimer()
+        self.metrics = ShardMetrics(Path(config.model).name, replica or "local", rank)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port for the group's rendezvous (called on rank 0)."""
@@ -65,13 +71,16 @@ class TargetShard:
                 backend, init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank, world_size=self.world_size,
             )
-            tp = TensorParallel(self.rank, self.world_size)
+            tp = TensorParallel(self.rank, self.world_size, timer=self.collectives)
         model = load(cfg.model, dtype=runtime_dtype(cfg.dtype, cfg.device), device=cfg.device, tp=tp)
         self.runner = TargetRunner(model, cfg.capacity, cfg.max_context, cfg.kv_tokens + 1, cfg.spec_tokens)
         return self.runner.kv_capacity()
 
     def step(self, batch: TargetStep) -> VerifyResult:
-        return self.runner.step(batch)
+        start = time.perf_counter()
+        result = self.runner.step(batch)
+        self.metrics.observe(time.perf_counter() - start, self.collectives.take())
+        return result
 
     def release(self, slots: list[int]) -> None:
         self.runner.release(slots)
@@ -202,7 +211,7 @@ def start_replica_services(
     shard_cls = ray.remote(TargetShard)
     shards = [
         shard_cls.options(**opts(r, f"dspark:target:{replica}:rank{r}", gpu * (0.5 if r == 0 else 1)))
-        .remote(config, r, tensor_parallel_size, torch_threads)
+        .remote(config, r, tensor_parallel_size, torch_threads, replica)
         for r in range(tensor_parallel_size)
     ]
     addr, port = ray.get(shards[0].address.remote())

@@ -14,11 +14,13 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from dspark_ray.engine import Engine, RequestOutput, SamplingParams
 from dspark_ray.engine.request import FinishReason
+from dspark_ray.serve.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,10 @@ class EngineDead(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_queued_requests: int, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: Engine, max_queued_requests: int, idle_wait_s: float = 0.05,
+                 metrics: ServingMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics or ServingMetrics.for_engine(engine)
         self.max_queued_requests = max_queued_requests
         self.idle_wait_s = idle_wait_s
         self._inbox: deque[Callable[[], None]] = deque()
@@ -69,6 +73,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
+        submitted = time.monotonic()
 
         def add() -> None:
             try:
@@ -76,6 +81,7 @@ class EngineLoop:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 accepted.set_exception(exc)
                 return
+            self.metrics.submitted(req_id, submitted)
             self._streams[req_id] = (loop, queue)
             accepted.set_result(None)
 
@@ -125,6 +131,7 @@ class EngineLoop:
                     log.exception("engine step failed")
                     outputs = self._fail_all(exc)
                 self._deliver(outputs)
+                self.metrics.after_step(outputs, self.num_waiting())
         except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
             self.error = exc
             log.exception("engine loop died")
