@@ -2,13 +2,17 @@
 
     dspark generate "ROMEO:" --max-tokens 64          # offline, shipped pair by default
     dspark generate "ROMEO:" --no-draft               # the target alone
+    dspark nccl-check --device cuda --placement-strategy STRICT_SPREAD   # all-reduce bandwidth, two boxes
+    dspark dashboards push --url http://127.0.0.1:3000 --token $GRAFANA_TOKEN
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from dspark_ray.serve.config import REPO_ROOT
 
@@ -35,6 +39,71 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nccl_check(args: argparse.Namespace) -> int:
+    from dspark_ray.ops import nccl_check
+
+    return nccl_check.check(
+        address=args.address, ranks=args.ranks, device=args.device, placement_strategy=args.placement_strategy,
+        min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor, iters=args.iters,
+        warmup=args.warmup, hosts=args.hosts.split(",") if args.hosts else None, probe=args.probe,
+    )
+
+
+def _dashboards_build(args: argparse.Namespace) -> int:
+    from dspark_ray.ops.dashboards import write_all
+
+    for path in write_all(args.out):
+        print(path)
+    return 0
+
+
+def _dashboards_push(args: argparse.Namespace) -> int:
+    from dspark_ray.ops.grafana_push import DashboardPushError, push_dashboards
+
+    try:
+        pushed = push_dashboards(args.url, args.token, args.folder)
+    except DashboardPushError as exc:
+        print(f"dspark dashboards push: {exc}", file=sys.stderr)
+        return 1
+    for p in pushed:
+        print(f"{p.title}: {args.url.rstrip('/')}{p.url}")
+    return 0
+
+
+def _add_ops_commands(sub) -> None:
+    from dspark_ray.ops.nccl_check import parse_size
+
+    nccl = sub.add_parser("nccl-check", help="all-reduce bandwidth between ranks: nccl-tests' all_reduce_perf "
+                          "if installed, else a torch.distributed probe between Ray actors")
+    nccl.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, the local one, or a new one)")
+    nccl.add_argument("--ranks", type=int, default=2, help="probe ranks (one per box on two DGX Sparks)")
+    nccl.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                      help="auto: cuda (NCCL) if the cluster has a GPU per rank, else cpu (gloo)")
+    nccl.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK",
+                                                                        "STRICT_SPREAD"],
+                      help="STRICT_SPREAD: one rank per node, as deploy/dspark-2x-spark.yaml places the shards")
+    nccl.add_argument("--min-bytes", type=parse_size, default=parse_size("1K"), help="smallest message (8, 1K, 1M)")
+    nccl.add_argument("--max-bytes", type=parse_size, default=parse_size("64M"), help="largest message")
+    nccl.add_argument("--factor", type=int, default=4, help="probe: message size multiplier")
+    nccl.add_argument("--iters", type=int, default=20)
+    nccl.add_argument("--warmup", type=int, default=5)
+    nccl.add_argument("--hosts", default=None, help="all_reduce_perf: comma-separated hosts (default: the Ray nodes)")
+    nccl.add_argument("--probe", action="store_true", help="use the torch probe even if all_reduce_perf is installed")
+    nccl.set_defaults(func=_nccl_check)
+
+    dash = sub.add_parser("dashboards", help="the Grafana dashboards in dashboards/")
+    actions = dash.add_subparsers(dest="action", required=True)
+    build = actions.add_parser("build", help="write the dashboard JSON files")
+    build.add_argument("--out", type=Path, default=REPO_ROOT / "dashboards")
+    build.set_defaults(func=_dashboards_build)
+    push = actions.add_parser("push", help="upload the dashboards to a Grafana (grafana-client)")
+    push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://127.0.0.1:3000")
+    push.add_argument("--token", default=os.environ.get("GRAFANA_TOKEN"),
+                      help="service-account token (Editor); default: $GRAFANA_TOKEN, keeping it out of shell history")
+    push.add_argument("--folder", type=Path, default=REPO_ROOT / "dashboards", help="where the JSON files are")
+    push.set_defaults(func=_dashboards_push)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark", description="dspark_ray: speculative-decoding serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("-q", "--quiet", action="store_true", help="print only the generated text")
     gen.set_defaults(func=_generate)
+    _add_ops_commands(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)
