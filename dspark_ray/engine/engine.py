@@ -195,6 +195,11 @@ class Engine:
         self._release_target = []
         self.target_error = None
 
+    def take_pending(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts), without stepping."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def has_unfinished(self) -> bool:
         """Requests in flight, or outputs (of aborts) not yet returned by ``step``."""
         return self.scheduler.has_work() or bool(self._pending)

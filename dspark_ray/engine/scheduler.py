@@ -98,9 +98,11 @@ class Scheduler:
         for req in self._rotated_running():
             if len(plan.rows) >= cfg.max_num_seqs:
                 break
+            if req.status is not Status.RUNNING:  # preempted earlier in this step: it waits
+                continue
             need = self._need(req)
-            while need > kv_free and self._preempt_one(plan, protect=req):
-                kv_free = cfg.kv_pool_tokens - self.kv_in_use()
+            while need > kv_free and (freed := self._preempt_one(plan, protect=req)) is not None:
+                kv_free += freed  # the rows planned so far keep what they reserved
             if need > kv_free:
                 break
             kv_free -= need
@@ -129,15 +131,19 @@ class Scheduler:
         self._rotation = (self._rotation + self.config.max_num_seqs) % n
         return self.running[self._rotation:] + self.running[: self._rotation]
 
-    def _preempt_one(self, plan: StepPlan, protect: Request) -> bool:
-        """Preempt the newest running request other than ``protect`` and those already planned."""
+    def _preempt_one(self, plan: StepPlan, protect: Request) -> int | None:
+        """Preempt the newest running request other than ``protect`` and those already planned.
+
+        Returns the KV tokens it frees, or None when there is no victim.
+        """
         for victim in reversed(self.running):
             if victim is protect or victim in plan.rows:
                 continue
+            freed = victim.target_len
             self.running.remove(victim)
             victim.status = Status.PREEMPTED
             victim.target_len = 0
             self.waiting.appendleft(victim)
             plan.preempted.append(victim)
-            return True
-        return False
+            return freed
+        return None

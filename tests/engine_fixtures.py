@@ -1,0 +1,212 @@
+"""Fixtures and helpers for the engine tests: tiny checkpoints, engines, drivers, invariant checks.
+
+Checkpoints are tiny random Llama models saved with transformers (through
+``conftest.save_tiny_checkpoint``, whose O(1) weights give peaked, far-from-tied
+logits). Two families:
+
+- ``tiny_models``: vocabulary 4096 with the shipped BPE tokenizer, a target and
+  three drafts: the target itself (every greedy draft is right when the
+  draft's window covers the context), a perturbed copy of the target (partial
+  acceptance) and an unrelated model (mostly rejected).
+- ``tiny_vocab_models``: vocabulary 5 with a word-level tokenizer, a target
+  and an unrelated draft, small enough to enumerate every output sequence.
+
+Test modules import the fixtures they use from here by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SHIPPED_TARGET, save_tiny_checkpoint
+from dspark_ray.engine import Engine, EngineConfig, SamplingParams
+from dspark_ray.engine.local import build_local_engine
+from dspark_ray.engine.outputs import SpecSummary
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EOS_ID = 0  # "<|endoftext|>" in the shipped tokenizer, "<eos>" in the word-level one
+TINY_VOCAB = ("<eos>", "a", "b", "c", "d")
+MAX_POSITIONS = 256
+
+
+def copy_shipped_tokenizer(folder: Path) -> None:
+    for name in TOKENIZER_FILES:
+        shutil.copy(SHIPPED_TARGET / name, folder / name)
+
+
+def write_word_tokenizer(folder: Path, words: Iterable[str] = TINY_VOCAB) -> None:
+    """A word-level tokenizer over ``words`` (the first is the EOS special token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = list(words)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.add_special_tokens([words[0]])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": words[0], "bos_token": None, "add_bos_token": False, "add_eos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def save_model(folder: Path, hf_model) -> None:
+    hf_model.save_pretrained(folder)
+
+
+def perturbed_copy(hf_model, seed: int, scale: float):
+    """A copy of ``hf_model`` with every weight moved by ``scale`` times its own spread."""
+    other = copy.deepcopy(hf_model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+    return other
+
+
+@dataclass
+class TinyModels:
+    target: Path
+    drafts: dict[str, Path]  # "same" | "near" | "other"
+    hf_target: object  # the transformers model saved at ``target`` (float32, eval)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    root = tmp_path_factory.mktemp("engine_models")
+    ids = dict(vocab_size=4096, eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID,
+               max_position_embeddings=MAX_POSITIONS)
+    hf_target = save_tiny_checkpoint(root / "target", seed=0, **ids)
+    save_model(root / "near", perturbed_copy(hf_target, seed=1, scale=0.05))
+    save_tiny_checkpoint(root / "other", seed=2, num_hidden_layers=1, **ids)
+    for name in ("target", "near", "other"):
+        copy_shipped_tokenizer(root / name)
+    drafts = {"same": root / "target", "near": root / "near", "other": root / "other"}
+    return TinyModels(root / "target", drafts, hf_target)
+
+
+@dataclass
+class TinyVocabModels:
+    target: Path
+    draft: Path
+    vocab: int
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_models(tmp_path_factory) -> TinyVocabModels:
+    root = tmp_path_factory.mktemp("engine_tiny_vocab")
+    ids = dict(vocab_size=len(TINY_VOCAB), eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID,
+               max_position_embeddings=64, hidden_size=32, intermediate_size=48)
+    save_tiny_checkpoint(root / "target", seed=10, **ids)
+    save_tiny_checkpoint(root / "draft", seed=11, num_hidden_layers=1, **ids)
+    for name in ("target", "draft"):
+        write_word_tokenizer(root / name)
+    return TinyVocabModels(root / "target", root / "draft", len(TINY_VOCAB))
+
+
+def make_engine(target: Path, draft: Path | None = None, **config) -> Engine:
+    """An in-process engine; ``config`` are EngineConfig fields (float32 on CPU)."""
+    config.setdefault("capacity", 8)
+    config.setdefault("max_context", 128)
+    return build_local_engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, **config))
+
+
+# -- driving an engine -------------------------------------------------------------------------
+
+
+@dataclass
+class Collected:
+    """Everything an engine reported for one request, streamed deltas concatenated."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    spec: SpecSummary | None = None
+    outputs: int = 0  # RequestOutputs received
+
+    def take(self, out) -> None:
+        assert not self.finished, f"{out.req_id}: output after it finished"
+        self.outputs += 1
+        self.token_ids += out.new_token_ids
+        self.text += out.new_text
+        assert out.num_output_tokens == len(self.token_ids), "num_output_tokens disagrees with the deltas"
+        if out.finished:
+            self.finished = True
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.error, self.spec = out.error, out.spec
+
+
+def collect(engine: Engine, results: dict[str, Collected], outputs) -> None:
+    for out in outputs:
+        results.setdefault(out.req_id, Collected()).take(out)
+
+
+def run_all(engine: Engine, max_steps: int = 10_000,
+            after_step: Callable[[Engine], None] | None = None) -> dict[str, Collected]:
+    """Step ``engine`` until it has no work; every request's collected output."""
+    results: dict[str, Collected] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        collect(engine, results, engine.step())
+        if after_step is not None:
+            after_step(engine)
+    else:
+        raise AssertionError(f"the engine did not finish in {max_steps} steps")
+    collect(engine, results, engine.step())  # outputs produced between steps (aborts)
+    return results
+
+
+def generate(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[Collected]:
+    """Add every prompt, run to the end, results in prompt order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    results = run_all(engine)
+    return [results[i] for i in ids]
+
+
+def solo(target: Path, draft: Path | None, prompt, params: SamplingParams, **config) -> Collected:
+    """``prompt`` run alone in a fresh engine."""
+    return generate(make_engine(target, draft, **config), [prompt], params)[0]
+
+
+# -- invariants ------------------------------------------------------------------------------
+
+
+def engine_state(engine: Engine) -> tuple:
+    """What a rejected request must not change."""
+    snap = engine.slots.snapshot()
+    return (
+        sorted(engine.requests),
+        [r.req_id for r in engine.scheduler.waiting],
+        [r.req_id for r in engine.scheduler.running],
+        [(live.lease.req_id, live.lease.slot, live.lease.epoch) for live in snap.live],
+        snap.counters,
+        engine.target.kv_free(),
+        len(engine._pending),
+    )
+
+
+def assert_drained(engine: Engine, requests_added: int | None = None) -> None:
+    """Invariant 5: nothing left in flight, every slot and KV token free, counters balanced."""
+    assert not engine.has_unfinished()
+    assert engine.requests == {}
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    snap = engine.slots.snapshot()
+    assert snap.live == () and snap.free == snap.capacity, f"slots still held: {snap.live}"
+    c = snap.counters
+    assert c.allocations + c.restored - c.releases == 0, f"slot counters do not balance: {c}"
+    assert c.stale_releases == 0, f"the engine released a slot it did not hold: {c}"
+    assert engine.target.kv_free() == engine.target.kv_capacity(), "target KV tokens leaked"
+    assert int(engine.target.table.lengths.sum()) == 0, "a slot still holds target KV positions"
+    if requests_added is not None:
+        assert sum(engine.counters.finished.values()) == requests_added

@@ -1,0 +1,252 @@
+"""Greedy decoding: with speculation == without == transformers' generate, token for token.
+
+Invariant 4. The reference is ``transformers``' ``generate(do_sample=False)``
+on the same checkpoint, one prompt at a time; the engine runs all prompts in
+one batch. Drafts cover the whole acceptance range: the target itself (every
+draft right), a perturbed copy (partial acceptance) and an unrelated model
+(almost every draft wrong). A separate test checks the draft proposer itself:
+every proposal equals the draft model's own windowed greedy continuation, so
+its ring cache (rollback, catch-up, slot reuse, preemption) keeps the right
+history.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
+from dspark_ray import LLM, SamplingParams
+from dspark_ray.engine.interfaces import Proposal, ProposeRow
+from dspark_ray.model.llama import CausalAttention
+from engine_fixtures import (  # noqa: F401 - fixtures
+    EOS_ID,
+    TinyModels,
+    assert_drained,
+    generate,
+    make_engine,
+    run_all,
+    tiny_models,
+)
+
+MAX_CONTEXT = 96
+TEXT_PROMPTS = ["ROMEO:", "JULIET: what light through yonder window", "Now is the winter of", "A"]
+
+
+def prompt_set(seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of lengths 1..40 (long ones exceed the draft's window and ring)."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 40]
+    return [[rng.randrange(1, 4096) for _ in range(n)] for n in lengths]
+
+
+MAX_TOKENS = [1, 2, 7, 16, 24, 33, 40, 50]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                            eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models: TinyModels) -> dict[tuple, list[int]]:
+    """transformers' greedy tokens for every (prompt, max_tokens) used below."""
+    ref = {}
+    for prompt, n in zip(prompt_set(), MAX_TOKENS):
+        ref[tuple(prompt), n] = hf_greedy(tiny_models.hf_target, prompt, n)
+    return ref
+
+
+def test_reference_is_not_trivial(reference):
+    """The comparison only means something if greedy runs are long and varied, some ending on EOS."""
+    outputs = list(reference.values())
+    assert sum(len(o) for o in outputs) > 120
+    assert len({t for o in outputs for t in o}) > 30
+
+
+@pytest.mark.parametrize("draft, window", [(None, 1), ("same", MAX_CONTEXT), ("near", MAX_CONTEXT), ("near", 8),
+                                           ("other", MAX_CONTEXT)])
+def test_greedy_equals_transformers(tiny_models: TinyModels, reference, draft, window):
+    engine = make_engine(tiny_models.target, tiny_models.drafts.get(draft), num_speculative_tokens=4,
+                         draft_window=window, capacity=8, max_context=MAX_CONTEXT)
+    prompts = prompt_set()
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    results = generate(engine, prompts, params)
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        expected = reference[tuple(prompt), n]
+        assert res.token_ids == expected, f"prompt of {len(prompt)} tokens, max_tokens {n}"
+        assert res.finish_reason == ("stop" if expected[-1] == EOS_ID else "length")
+        assert res.stop_reason == (EOS_ID if res.finish_reason == "stop" else None)
+    spec = [r.spec for r in results]
+    if draft is None:
+        assert all(s.drafts == 0 for s in spec)
+    else:
+        assert sum(s.draft_tokens for s in spec) > 50
+        rate = sum(s.accepted_tokens for s in spec) / sum(s.draft_tokens for s in spec)
+        if window == MAX_CONTEXT:  # the acceptance range each draft was built for
+            low, high = {"same": (1.0, 1.0), "near": (0.1, 0.9), "other": (0.0, 0.05)}[draft]
+            assert low <= rate <= high, rate
+    assert_drained(engine, len(prompts))
+
+
+def test_identical_draft_with_full_window_accepts_everything(tiny_models: TinyModels, reference):
+    """The target as its own draft, attending to the whole context: every greedy draft is right."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts["same"], num_speculative_tokens=3,
+                         draft_window=MAX_CONTEXT, max_context=MAX_CONTEXT)
+    prompts = prompt_set()
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n]
+        s = res.spec
+        assert s.accepted_tokens == s.draft_tokens, f"max_tokens {n}: {s}"
+        # k shrinks near max_tokens (it never drafts past it), so a run needs ceil(n / (k+1)) steps at best.
+        assert s.drafts <= -(-len(res.token_ids) // 4) + 1 or len(res.token_ids) == 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_every_k(tiny_models: TinyModels, reference, k):
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=k,
+                         draft_window=MAX_CONTEXT, max_context=MAX_CONTEXT)
+    prompts = prompt_set()
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n]
+        assert len(res.spec.accepted_per_position) <= k
+        assert res.spec.draft_tokens <= k * res.spec.drafts
+    assert sum(r.spec.accepted_tokens for r in results) > 0
+    assert_drained(engine, len(prompts))
+
+
+def test_per_request_k_and_speculation_off(tiny_models: TinyModels, reference):
+    """One batch mixing k = 0..4, speculation off, and k above the engine's maximum."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3,
+                         draft_window=MAX_CONTEXT, max_context=MAX_CONTEXT)
+    prompts = prompt_set()
+    variants = [dict(num_speculative_tokens=0), dict(num_speculative_tokens=1), dict(num_speculative_tokens=2),
+                dict(speculative=False), dict(num_speculative_tokens=9), dict(), dict(speculative=False),
+                dict(num_speculative_tokens=1)]
+    params = [SamplingParams(max_tokens=n, **v) for n, v in zip(MAX_TOKENS, variants)]
+    results = generate(engine, prompts, params)
+    for prompt, n, v, res in zip(prompts, MAX_TOKENS, variants, results):
+        assert res.token_ids == reference[tuple(prompt), n], v
+        k = 0 if v.get("speculative") is False else min(3, v.get("num_speculative_tokens", 3))
+        s = res.spec
+        if k == 0:
+            assert (s.drafts, s.draft_tokens, s.accepted_per_position) == (0, 0, []), v
+            assert s.mean_acceptance_length == 1.0
+        else:
+            assert len(s.accepted_per_position) <= k and s.draft_tokens <= k * s.drafts, (v, s)
+            if n > k + 1:
+                assert len(s.accepted_per_position) == k, (v, s)
+    assert_drained(engine, len(prompts))
+
+
+def test_offline_api_text_prompts(tiny_models: TinyModels):
+    """``LLM.generate`` on strings: spec == no spec == transformers, and text == decode(token ids)."""
+    llm_spec = LLM(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3, draft_window=MAX_CONTEXT,
+                   capacity=4, max_context=MAX_CONTEXT)
+    llm_plain = LLM(tiny_models.target, None, capacity=4, max_context=MAX_CONTEXT)
+    params = SamplingParams(max_tokens=30)
+    spec, plain = llm_spec.generate(TEXT_PROMPTS, params), llm_plain.generate(TEXT_PROMPTS, params)
+    tok = llm_spec.tokenizer
+    for prompt, a, b in zip(TEXT_PROMPTS, spec, plain):
+        ids = tok.encode(prompt)
+        assert a.prompt_token_ids == ids
+        assert a.token_ids == b.token_ids == hf_greedy(tiny_models.hf_target, ids, 30)
+        assert a.text == b.text == tok.decode(a.token_ids)
+        assert a.finish_reason == b.finish_reason
+        assert a.spec.drafts > 0 and b.spec.drafts == 0
+    assert llm_spec.generate([], params) == []
+    single = llm_spec.generate(TEXT_PROMPTS[0], params)
+    assert len(single) == 1 and single[0].token_ids == spec[0].token_ids
+    by_ids = llm_spec.generate([tok.encode(TEXT_PROMPTS[1])], params)
+    assert by_ids[0].token_ids == spec[1].token_ids
+    assert_drained(llm_spec.engine)
+
+
+class RecordingDraft:
+    """The real draft proposer, with every greedy proposal recorded against the draft's own history."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.history: dict[tuple[int, int], list[int]] = {}  # (slot, epoch) -> tokens at draft positions
+        self.checked: list[tuple[list[int], list[int]]] = []  # (context, drafts)
+
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        proposal = self.inner.propose(rows)
+        for row, drafts in zip(rows, proposal.draft_token_ids):
+            key = (row.slot, row.epoch)
+            seen = self.history.get(key, [])
+            assert row.start <= len(seen), "the engine asked the draft to start past what it fed"
+            context = seen[: row.start] + list(row.token_ids)
+            self.checked.append((context, list(drafts)))
+            # The last draft is never fed to the draft model: the target verifies it.
+            self.history[key] = context + list(drafts[:-1])
+        return proposal
+
+
+def windowed_greedy(model, context: list[int], n: int, window: int) -> list[int]:
+    """The draft model's own greedy continuation: full forwards with a sliding window."""
+    ids = list(context)
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]), attention=CausalAttention(window))[0, -1]
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("window", [5, 12])
+def test_draft_proposals_equal_windowed_reference(tiny_models: TinyModels, window):
+    """Every proposal is the draft model's greedy continuation over its last ``window`` tokens.
+
+    Run under slot reuse (capacity 3 < 8 requests) and preemption (a KV pool of
+    one full request), with prompts longer than the ring, so rollback, long
+    catch-ups, slot epochs and resumed caches all feed this check.
+    """
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=4,
+                         draft_window=window, capacity=3, max_context=64, kv_pool_tokens=68)
+    recorder = RecordingDraft(engine.draft)
+    engine.draft = recorder
+    prompts = prompt_set(seed=1)
+    params = [SamplingParams(max_tokens=min(n, 64 - len(p)), num_speculative_tokens=1 + i % 4)
+              for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS))]
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    preempted = []
+    run_all(engine, after_step=lambda e: preempted.append(e.counters.preemptions))
+    assert preempted[-1] > 0, "the KV pool was never short: preemption went untested"
+    assert engine.slots.counters().allocations > 3
+    model = recorder.inner.model
+    assert len(recorder.checked) > 40
+    for context, drafts in recorder.checked:
+        assert drafts == windowed_greedy(model, context, len(drafts), window), f"context of {len(context)}"
+    assert_drained(engine, len(prompts))
+
+
+def test_shipped_pair_greedy_equals_transformers():
+    target = shipped(SHIPPED_TARGET, "model.safetensors")
+    draft = shipped(SHIPPED_DRAFT, "model.safetensors")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    llm = LLM(target, draft, num_speculative_tokens=4, capacity=8, max_context=256)
+    plain = LLM(target, None, capacity=8, max_context=256)
+    prompts = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further,",
+               "KING HENRY V:\nOnce more unto the breach", "HAMLET:\nTo be, or not to be"]
+    params = SamplingParams(max_tokens=48)
+    spec, base = llm.generate(prompts, params), plain.generate(prompts, params)
+    accepted = 0
+    for prompt, a, b in zip(prompts, spec, base):
+        ids = llm.tokenizer.encode(prompt)
+        eos = sorted(llm.tokenizer.eos_token_ids)
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=48, eos_token_id=eos, pad_token_id=eos[0])
+        assert a.token_ids == b.token_ids == ref[0, len(ids):].tolist(), prompt
+        accepted += a.spec.accepted_tokens
+    assert accepted > 0, "the trained draft never agreed with the trained target"
