@@ -13,19 +13,18 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.model.tp import CollectiveTimer
 from dspark_ray.serve.metrics import ShardMetrics
-from dspark_ray.slots import SlotLease, SlotsExhausted, start_slot_manager
+from dspark_ray.slots import SlotLease, SlotsExhausted, SlotsRecovering, SyncResult, start_slot_manager
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +150,12 @@ class RaySlots:
     def release_many(self, req_ids_with_epochs) -> list[bool]:
         return self._call("release_many", list(req_ids_with_epochs))
 
+    def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
+        """One heartbeat, never retried: a missed beat is simply followed by the next."""
+        return ray.get(self.manager.sync.remote(owner, leases), timeout=self.SYNC_TIMEOUT_S)
+
+    SYNC_TIMEOUT_S = 2.0
+
     def _call(self, method: str, *args):
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -158,23 +163,94 @@ class RaySlots:
                 return ray.get(getattr(self.manager, method).remote(*args), timeout=self.timeout_s)
             except SlotsExhausted:
                 raise
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, SlotsRecovering) as exc:
                 if time.monotonic() >= deadline:
                     raise SlotServiceUnavailable(f"slot manager unavailable for {self.timeout_s}s: {exc}") from exc
                 time.sleep(0.2)
 
 
-@dataclass
 class ReplicaServices:
-    """Everything one server replica started; ``shutdown`` stops it."""
+    """Everything one server replica runs on Ray: target shards, draft worker, slot manager.
 
-    placement_group: PlacementGroup
-    shards: list
-    draft_worker: object | None
-    slot_manager: object
-    target: RayTarget
-    draft: RayDraft | None
-    slots: RaySlots
+    The target shards share one torch.distributed group, which cannot be
+    rejoined by a single restarted rank, so when any shard dies
+    ``rebuild_target`` replaces them all (in the same placement group). The
+    draft worker restarts by itself (Ray ``max_restarts``); until it is back,
+    the engine runs without speculation.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        app_name: str,
+        replica: str,
+        tensor_parallel_size: int,
+        placement_strategy: str,
+        cpus_per_shard: float,
+        torch_threads: int,
+        slot_timeout_s: float,
+    ) -> None:
+        self.config, self.replica = config, replica
+        self.tensor_parallel_size = tensor_parallel_size
+        self.cpus_per_shard, self.torch_threads = cpus_per_shard, torch_threads
+        self._gpu = 1 if config.device == "cuda" else 0
+        # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
+        gpu = {"GPU": 1} if self._gpu else {}
+        bundles = [{"CPU": 2 * cpus_per_shard, **gpu}] + [{"CPU": cpus_per_shard, **gpu}] * (tensor_parallel_size - 1)
+        self.placement_group = placement_group(bundles, strategy=placement_strategy, name=f"dspark:{app_name}:{replica}")
+        ray.get(self.placement_group.ready(), timeout=600)
+        self.shards: list = []
+        self.target = self._start_target()
+        self.draft_worker = self.draft = None
+        if config.draft and config.spec_tokens > 0:
+            self.draft_worker = ray.remote(DraftWorker).options(
+                **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
+                max_restarts=-1, max_task_retries=0,
+            ).remote(config, torch_threads)
+            self.draft = RayDraft(self.draft_worker)
+        self.slot_manager = start_slot_manager(config.capacity, app_name, detached=True)
+        self.slots = RaySlots(self.slot_manager, slot_timeout_s)
+
+    def _opts(self, bundle: int, name: str, gpus: float) -> dict:
+        return dict(
+            name=name, num_cpus=self.cpus_per_shard, num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=bundle),
+        )
+
+    def _start_target(self) -> RayTarget:
+        shard_cls = ray.remote(TargetShard)
+        world = self.tensor_parallel_size
+        self.shards = [
+            shard_cls.options(**self._opts(r, f"dspark:target:{self.replica}:rank{r}",
+                                           self._gpu * (0.5 if r == 0 else 1)))
+            .remote(self.config, r, world, self.torch_threads, self.replica)
+            for r in range(world)
+        ]
+        addr, port = ray.get(self.shards[0].address.remote())
+        capacities = ray.get([s.setup.remote(addr, port) for s in self.shards])
+        return RayTarget(self.shards, min(capacities))
+
+    def rebuild_target(self) -> RayTarget:
+        """Replace every target shard with a fresh one (empty KV, a new group)."""
+        for shard in self.shards:
+            ray.kill(shard, no_restart=True)
+        self._wait_until_gone(self.shards)
+        self.target = self._start_target()
+        return self.target
+
+    @staticmethod
+    def _wait_until_gone(actors: list, timeout_s: float = 30.0) -> None:
+        """Actor names are reused by the new shards: wait for the old ones to release them."""
+        deadline = time.monotonic() + timeout_s
+        for actor in actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.kv_free.remote(), timeout=1)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                time.sleep(0.1)
 
     def shutdown(self) -> None:
         for actor in [*self.shards, self.draft_worker]:
@@ -183,46 +259,9 @@ class ReplicaServices:
         remove_placement_group(self.placement_group)
 
 
-def start_replica_services(
-    config: EngineConfig,
-    *,
-    app_name: str,
-    replica: str,
-    tensor_parallel_size: int,
-    placement_strategy: str,
-    cpus_per_shard: float,
-    torch_threads: int,
-    slot_timeout_s: float,
-) -> ReplicaServices:
-    """Start the target shards and draft worker of one replica, and find the slot manager."""
-    gpu = 1 if config.device == "cuda" else 0
-    # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
-    bundles = [{"CPU": 2 * cpus_per_shard, **({"GPU": 1} if gpu else {})}]
-    bundles += [{"CPU": cpus_per_shard, **({"GPU": 1} if gpu else {})} for _ in range(tensor_parallel_size - 1)]
-    pg = placement_group(bundles, strategy=placement_strategy, name=f"dspark:{app_name}:{replica}")
-    ray.get(pg.ready(), timeout=600)
+def start_replica_services(config: EngineConfig, **kwargs) -> ReplicaServices:
+    """Start the target shards and draft worker of one replica, and find the slot manager.
 
-    def opts(bundle: int, name: str, gpus: float):
-        return dict(
-            name=name, num_cpus=cpus_per_shard, num_gpus=gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-        )
-
-    shard_cls = ray.remote(TargetShard)
-    shards = [
-        shard_cls.options(**opts(r, f"dspark:target:{replica}:rank{r}", gpu * (0.5 if r == 0 else 1)))
-        .remote(config, r, tensor_parallel_size, torch_threads, replica)
-        for r in range(tensor_parallel_size)
-    ]
-    addr, port = ray.get(shards[0].address.remote())
-    capacities = ray.get([s.setup.remote(addr, port) for s in shards])
-    worker = draft = None
-    if config.draft and config.spec_tokens > 0:
-        worker = ray.remote(DraftWorker).options(**opts(0, f"dspark:proposer:{replica}", gpu * 0.5)).remote(
-            config, torch_threads)
-        draft = RayDraft(worker)
-    manager = start_slot_manager(config.capacity, app_name, detached=True)
-    return ReplicaServices(
-        placement_group=pg, shards=shards, draft_worker=worker, slot_manager=manager,
-        target=RayTarget(shards, min(capacities)), draft=draft, slots=RaySlots(manager, slot_timeout_s),
-    )
+    Keyword arguments are those of ``ReplicaServices``.
+    """
+    return ReplicaServices(config, **kwargs)

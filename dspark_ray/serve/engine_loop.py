@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from dspark_ray.engine import Engine, RequestOutput, SamplingParams
+from dspark_ray.engine.interfaces import TargetService
 from dspark_ray.engine.request import FinishReason
 from dspark_ray.serve.metrics import ServingMetrics
 
@@ -38,9 +39,21 @@ class EngineDead(RuntimeError):
 
 
 class EngineLoop:
+    """Owns the engine thread.
+
+    Besides stepping, the thread sends the slot heartbeat every
+    ``sync_interval_s`` (``Engine.sync_slots``) and, when a target step failed,
+    rebuilds the target through ``rebuild_target`` before stepping again.
+    """
+
     def __init__(self, engine: Engine, max_queued_requests: int, idle_wait_s: float = 0.05,
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None,
+                 rebuild_target: Callable[[], TargetService] | None = None,
+                 sync_interval_s: float = 1.0) -> None:
         self.engine = engine
+        self.rebuild_target = rebuild_target
+        self.sync_interval_s = sync_interval_s
+        self._next_sync = 0.0
         self.metrics = metrics or ServingMetrics.for_engine(engine)
         self.max_queued_requests = max_queued_requests
         self.idle_wait_s = idle_wait_s
@@ -121,6 +134,7 @@ class EngineLoop:
             while not self._stop:
                 while self._inbox:
                     self._inbox.popleft()()
+                self._maintain()
                 if not self.engine.has_unfinished():
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -137,6 +151,21 @@ class EngineLoop:
             log.exception("engine loop died")
             for loop, queue in self._streams.values():
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDead(str(exc)))
+
+    def _maintain(self) -> None:
+        """Between steps: the slot heartbeat, and a target rebuild after a failure."""
+        now = time.monotonic()
+        if now >= self._next_sync:
+            self._next_sync = now + self.sync_interval_s
+            try:
+                self.engine.sync_slots()
+            except Exception as exc:  # noqa: BLE001 - the manager may be restarting; next beat retries
+                log.warning("slot heartbeat failed: %r", exc)
+        if self.engine.target_error is not None and self.rebuild_target is not None:
+            log.warning("rebuilding the target after: %r", self.engine.target_error)
+            self._deliver(self.engine.take_pending())  # the failed requests' errors go out first
+            self.engine.reset_target(self.rebuild_target())
+            log.warning("target rebuilt")
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         for req_id in list(self.engine.requests):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,12 +79,26 @@ def _api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc}", err_type="server_error")
 
 
+# Names pydantic puts in an error's location for the member of a union it tried
+# ("prompt.str", "stop.list[str]"): not part of the request's field path.
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "bytes", "none"}
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([A-Za-z_][\w.]*): (.+)$", re.S)
+
+
+def _field_path(loc: tuple) -> str | None:
+    """The request field an error is about, e.g. ``messages.0.role``; None for the body as a whole."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (str(p).isidentifier() and str(p) not in _UNION_TAGS)]
+    return ".".join(parts) or None
+
+
 def _validation_error(exc: ValidationError) -> APIError:
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    param = _field_path(err["loc"])
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = f"unsupported option {param!r}"
+    elif param is None and (m := _FIELD_PREFIX.match(msg)):  # a model validator's "field: message"
+        param, msg = m.group(1), m.group(2)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
@@ -104,7 +119,7 @@ class DSparkServer:
         )
         s = self.services
         engine = Engine(engine_config, self.tokenizer, s.slots, s.target, s.draft, owner=replica)
-        self.loop = EngineLoop(engine, cfg.max_queued_requests)
+        self.loop = EngineLoop(engine, cfg.max_queued_requests, rebuild_target=s.rebuild_target)
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
     def __del__(self) -> None:
@@ -159,7 +174,12 @@ class DSparkServer:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             room = max(1, self.config.max_context - len(ids))
             params = req.sampling_params(default_max_tokens=room)
-            return await self._respond(req, ids, params, new_id("chatcmpl"), chat=True)
+            try:
+                return await self._respond(req, ids, params, new_id("chatcmpl"), chat=True)
+            except InvalidRequest as exc:  # the engine's "prompt" is the rendered messages here
+                if exc.field != "prompt":
+                    raise
+                raise APIError(400, f"messages: {exc.message}", param="messages") from exc
         except Exception as exc:  # noqa: BLE001
             return _api_error(exc).response()
 
