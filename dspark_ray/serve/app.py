@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.server import DSparkIngress
@@ -15,11 +16,24 @@ from dspark_ray.serve.server import DSparkIngress
 
 def build_app(args: dict | None = None) -> Application:
     config = AppConfig(**(args or {}))
+    # Admission is the replica's: it runs max_num_seqs requests, queues
+    # max_queued_requests and answers 503 + Retry-After (an OpenAI error body)
+    # beyond that. Serve must therefore let more requests through to a replica
+    # than it can hold, or the excess would wait in Serve's router, unbounded,
+    # and never be refused. The headroom covers finished streams still
+    # flushing and refusals in progress. Should even that fill up, Serve's own
+    # queue limit refuses with 503 + Retry-After (a plain-text body) as a
+    # backstop; it is as large as the headroom because Serve's router counts
+    # a burst of simultaneous arrivals as queued while it routes them.
+    holds = config.max_queued_requests + config.max_num_seqs
+    headroom = max(holds, 32)
     deployment = serve.deployment(
         DSparkIngress,
         name="DSparkServer",
         ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=config.max_queued_requests + config.max_num_seqs,
+        max_ongoing_requests=holds + headroom,
+        max_queued_requests=holds + headroom,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         health_check_period_s=10,
     )
     return deployment.bind(config.model_dump())
