@@ -163,7 +163,9 @@ class EngineLoop:
                 log.warning("slot heartbeat failed: %r", exc)
         if self.engine.target_error is not None and self.rebuild_target is not None:
             log.warning("rebuilding the target after: %r", self.engine.target_error)
-            self._deliver(self.engine.take_pending())  # the failed requests' errors go out first
+            failed = self.engine.take_pending()
+            self._deliver(failed)  # the failed requests' errors go out first
+            self.metrics.after_step(failed, self.num_waiting())
             self.engine.reset_target(self.rebuild_target())
             log.warning("target rebuilt")
 
