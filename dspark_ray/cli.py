@@ -4,11 +4,14 @@
     dspark generate "ROMEO:" --no-draft               # the target alone
     dspark nccl-check --device cuda --placement-strategy STRICT_SPREAD   # all-reduce bandwidth, two boxes
     dspark dashboards push --url http://127.0.0.1:3000 --token $GRAFANA_TOKEN
+    dspark bench --systems dspark vllm --batches 1 8   # bench/compare.py: dspark_ray vs vLLM, transformers
+    dspark loadgen --concurrency 8 --requests 64       # bench/loadgen.py against a local OpenAI server
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -70,6 +73,25 @@ def _dashboards_push(args: argparse.Namespace) -> int:
     return 0
 
 
+# The benchmarks are scripts in bench/ of the source checkout, not part of the
+# package; these commands run them with the options after the command name.
+BENCH_SCRIPTS = {
+    "bench": ("compare", "dspark_ray against vLLM and transformers, side by side (bench/compare.py)"),
+    "loadgen": ("loadgen", "HTTP load generator for an OpenAI-compatible server on localhost (bench/loadgen.py)"),
+}
+
+
+def _run_bench_script(command: str, argv: list[str]) -> int:
+    module, _ = BENCH_SCRIPTS[command]
+    bench = REPO_ROOT / "bench"
+    if not (bench / f"{module}.py").is_file():
+        print(f"dspark {command}: {bench / module}.py not found; it needs the source checkout "
+              "(pip install -e .)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(bench))
+    return importlib.import_module(module).main(argv, prog=f"dspark {command}")
+
+
 def _add_ops_commands(sub) -> None:
     from dspark_ray.ops.nccl_check import parse_size
 
@@ -122,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-q", "--quiet", action="store_true", help="print only the generated text")
     gen.set_defaults(func=_generate)
     _add_ops_commands(sub)
+    for command, (_, help_text) in BENCH_SCRIPTS.items():
+        sub.add_parser(command, help=help_text, add_help=False)  # the script parses its own options
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command in BENCH_SCRIPTS:
+        return _run_bench_script(args.command, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 
