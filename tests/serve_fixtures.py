@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,7 +228,7 @@ def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 24
             if proc.poll() is not None:
                 raise RuntimeError(f"serve run exited with {proc.returncode}:\n{log_tail(log)}")
             try:
-                if httpx.get(f"{run.base_url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{run.base_url}/health", timeout=2).status_code == 200 and ours(run):
                     return run
             except httpx.HTTPError:
                 pass
@@ -241,16 +242,40 @@ def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 24
         raise
 
 
+def ours(run: ServeRun) -> bool:
+    """The application answering is the one in our cluster: it runs and our proxy holds the port.
+
+    (A healthy /health alone could come from someone else's server on this
+    shared machine had our proxy failed to bind.)
+    """
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus, ProxyStatus
+
+    try:
+        status = serve.status()
+    except Exception:  # noqa: BLE001 - Serve not up in our cluster (yet)
+        return False
+    app = status.applications.get(run.app_name)
+    return (app is not None and app.status == ApplicationStatus.RUNNING and bool(status.proxies)
+            and all(p == ProxyStatus.HEALTHY for p in status.proxies.values()))
+
+
 def stop_serve(run: ServeRun) -> None:
     """Delete the applications, stop `serve run`, then the Ray head (and with it every worker)."""
     import ray
     from ray import serve
 
-    try:
-        if ray.is_initialized():
+    def shutdown() -> None:
+        try:
             serve.shutdown()
-    except Exception as exc:  # noqa: BLE001 - teardown goes on regardless
-        print(f"serve.shutdown failed: {exc!r}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - teardown goes on regardless
+            print(f"serve.shutdown failed: {exc!r}", file=sys.stderr)
+
+    try:
+        if ray.is_initialized():  # graceful first, but never hang the teardown on it
+            t = threading.Thread(target=shutdown, daemon=True)
+            t.start()
+            t.join(60)
     finally:
         stop_process(run.proc)
         ray.shutdown()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -292,30 +293,41 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served):
+def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served, client):
+    """The stream's client goes away after one chunk: its request is aborted and its slot freed at
+    once, while a request running beside it finishes exactly as it would alone."""
+    bystander = dict(model=served.model, prompt=PROMPTS[3], max_tokens=32, temperature=0)
+    alone = client.completions.create(**bystander).choices[0].text
     before = stats()["finished"]
-    max_context = served.args["max_context"]
-    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": max_context - 64, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=served.base_url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                first = json.loads(line.removeprefix("data: "))
-                break
-        req_id = first["id"]
-        assert req_id in {live.lease.req_id for live in slot_snapshot(served.app_name).live}
-    closed = time.monotonic()  # the response and the connection are closed here
+    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": served.args["max_context"] - 64,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.Client(base_url=served.base_url, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first = json.loads(line.removeprefix("data: "))
+                    break
+            req_id = first["id"]
+            assert req_id in {live.lease.req_id for live in slot_snapshot(served.app_name).live}
+            beside = pool.submit(lambda: client.completions.create(**bystander).choices[0].text)
+        closed = time.monotonic()  # the response and its connection are closed here
 
-    def freed():
-        return req_id not in {live.lease.req_id for live in slot_snapshot(served.app_name).live}
+        def freed():
+            return req_id not in {live.lease.req_id for live in slot_snapshot(served.app_name).live}
 
-    assert wait_for(freed, timeout_s=10), "the disconnected request still holds its slot after 10 s"
-    took = time.monotonic() - closed
-    after = wait_for(lambda: (s := stats()["finished"]).get("abort", 0) > before.get("abort", 0) and s, 10)
-    assert after, f"the disconnected request was not aborted: finished {stats()['finished']}"
-    assert after.get("abort", 0) == before.get("abort", 0) + 1
-    assert after.get("length", 0) == before.get("length", 0), "the request ran to max_tokens after the disconnect"
+        assert wait_for(freed, timeout_s=10), "the disconnected request still holds its slot after 10 s"
+        took = time.monotonic() - closed
+        assert beside.result(timeout=120) == alone, "the disconnect disturbed a request running beside it"
+
+    def both_finished():
+        f = stats()["finished"]
+        return f if sum(f.values()) == sum(before.values()) + 2 else None
+
+    after = wait_for(both_finished, 10)
+    assert after, f"expected 2 more finished requests: before {before}, now {stats()['finished']}"
+    assert after.get("abort", 0) == before.get("abort", 0) + 1, f"not aborted: {before} -> {after}"
     assert took < 5, f"the slot was freed {took:.1f}s after the disconnect"
 
 
