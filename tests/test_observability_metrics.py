@@ -6,6 +6,7 @@ manual, so latencies are exact.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from dspark_ray.engine.engine import EngineCounters, StepTimings
@@ -122,10 +123,29 @@ def test_counter_deltas_and_untracked_requests():
     assert r.generation_tokens == 2 and r.prompt_tokens == 7 and r.ttft == [] and r.itl == []
 
 
+def test_reports_are_recorded_off_the_engine_thread():
+    engine = FakeEngine()
+    metrics = ServingMetrics(engine, model="m", replica="r")
+    recorded = []
+    metrics.record = lambda report: recorded.append((report, threading.current_thread().name))
+    engine.step(rows=1)
+    metrics.after_step([out("a", [1, 2, 3])], waiting=0)
+    metrics.close()
+    ((report, thread),) = recorded
+    assert report.generation_tokens == 3 and thread == "dspark-metrics"
+
+
 def test_recording_never_raises_into_the_loop(caplog):
     engine = FakeEngine()
     metrics = ServingMetrics(engine, model="m", replica="r")
+    metrics.after_step([], waiting=0)  # recorded for real (Ray's metrics work without a cluster)
     del engine.scheduler  # a broken engine: the observer cannot read it
     metrics.after_step([], waiting=0)
     metrics.after_step([], waiting=0)
-    assert sum("serving metrics (step) failed" in r.message for r in caplog.records) == 1
+    metrics.record = lambda report: 1 / 0
+    engine.scheduler = _Scheduler()
+    metrics.after_step([], waiting=0)
+    metrics.close()
+    messages = [r.message for r in caplog.records]
+    assert sum("serving metrics (step) failed" in m for m in messages) == 1
+    assert sum("serving metrics (record) failed" in m for m in messages) == 1

@@ -122,6 +122,7 @@ class EngineLoop:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.metrics.close()
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._inbox.append(command)

@@ -37,6 +37,8 @@ Meanings (vLLM's, so that dashboards read the same):
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,13 +188,18 @@ class StepObserver:
 class ServingMetrics:
     """One replica's serving metrics: call ``submitted`` per request and ``after_step`` per loop pass.
 
-    Metrics are an observer, never a cause of failure: an error while
-    recording is logged (once per kind) and serving goes on.
+    The engine thread only builds the step's report (plain Python); a
+    recorder thread hands it to Ray's metrics (a few microseconds per value,
+    hundreds of values per large step), so recording stays off the step's
+    critical path. Metrics are an observer, never a cause of failure: an
+    error while recording is logged (once per kind) and serving goes on.
     """
 
     def __init__(self, engine: Any, model: str, replica: str) -> None:
         self.observer = StepObserver(engine)
         self._failures: set[str] = set()
+        self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
+        self._recorder = threading.Thread(target=self._record_forever, name="dspark-metrics", daemon=True)
         keys = ("model", "replica")
 
         def make(cls, name: str, doc: str, extra: tuple[str, ...] = (), **kwargs):
@@ -227,6 +234,7 @@ class ServingMetrics:
         self.accepted_tokens = make(Counter, "dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = make(Counter, "dspark_spec_decode_num_accepted_tokens_per_pos",
                                      "Drafts accepted at least up to position (0-based).", ("position",))
+        self._recorder.start()
 
     @classmethod
     def for_engine(cls, engine: Any) -> ServingMetrics:
@@ -237,7 +245,17 @@ class ServingMetrics:
         self._guard("submit", self.observer.submitted, req_id, at)
 
     def after_step(self, outputs: list, waiting: int) -> None:
-        self._guard("step", lambda: self.record(self.observer.observe(outputs, waiting)))
+        """Observe one loop pass (engine thread); it is recorded by the recorder thread."""
+        self._guard("step", lambda: self._reports.put(self.observer.observe(outputs, waiting)))
+
+    def close(self) -> None:
+        """Record what is queued, then stop the recorder thread."""
+        self._reports.put(None)
+        self._recorder.join(timeout=5)
+
+    def _record_forever(self) -> None:
+        while (report := self._reports.get()) is not None:
+            self._guard("record", self.record, report)
 
     def record(self, r: StepReport) -> None:
         self.running.set(r.running)
