@@ -16,6 +16,7 @@ percentiles come from the histograms' buckets.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,3 +319,29 @@ def write_all(folder: Path) -> list[Path]:
 def load_all(folder: Path) -> list[dict]:
     """The dashboard JSON files in ``folder`` (what Grafana provisioning would load)."""
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+_PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                    "offset", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression (or a ``label_values(metric, label)`` query) reads."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # string literals
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)  # label lists
+    text = re.sub(r"label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*\w+\s*\)", r"\1", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w.$])([a-zA-Z_:][\w:]*)(\s*\()?", text):
+        name, call = match.group(1), match.group(2)
+        if not call and name not in _PROMQL_KEYWORDS:
+            names.add(name)
+    return names
+
+
+def queries(dash: dict) -> list[str]:
+    """Every PromQL expression of a dashboard JSON: panel targets and query variables."""
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    return exprs
