@@ -150,10 +150,10 @@ def collect(engine: Engine, results: dict[str, Collected], outputs) -> None:
         results.setdefault(out.req_id, Collected()).take(out)
 
 
-def run_all(engine: Engine, max_steps: int = 10_000,
-            after_step: Callable[[Engine], None] | None = None) -> dict[str, Collected]:
-    """Step ``engine`` until it has no work; every request's collected output."""
-    results: dict[str, Collected] = {}
+def run_all(engine: Engine, max_steps: int = 10_000, after_step: Callable[[Engine], None] | None = None,
+            results: dict[str, Collected] | None = None) -> dict[str, Collected]:
+    """Step ``engine`` until it has no work; every request's collected output (added to ``results``)."""
+    results = {} if results is None else results
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break

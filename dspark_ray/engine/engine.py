@@ -300,6 +300,8 @@ class Engine:
             # ends with an error; waiting ones stay queued for a rebuilt target.
             log.exception("target step failed; ending every request that holds target KV")
             self.target_error = exc
+            # Those slots' KV still has to go (a retried release is harmless: it frees what is held).
+            self._release_target[:0] = release
             for r in [r for r in self.requests.values() if r.holds_slot]:
                 self.abort(r.req_id, FinishReason.ERROR, error=f"target failed: {exc}")
             return None
@@ -317,12 +319,24 @@ class Engine:
         return outputs
 
     def _append_tokens(self, req: Request, emitted: list[int]) -> RequestOutput:
-        """Append tokens one by one until a stop condition; returns this step's output."""
-        params, new = req.params, []
-        reason, detail = None, None
+        """Append tokens one by one until a stop condition; returns this step's output.
+
+        Stop strings are checked after every token, like the other conditions,
+        so a request ends on the same token whether this step emitted one token
+        or k + 1 (the tokens after a stop are dropped, not output).
+        """
+        params, text = req.params, self._texts[req.req_id]
+        new, new_text = [], ""
+        reason, detail, cut = None, None, False
         for tok in emitted:
             new.append(tok)
             req.output_token_ids.append(tok)
+            if params.stop:
+                piece, stop = text.push([tok])
+                new_text += piece
+                if stop is not None:
+                    reason, detail, cut = FinishReason.STOP, stop, True
+                    break
             if not params.ignore_eos and tok in self.tokenizer.eos_token_ids:
                 reason, detail = FinishReason.STOP, tok
             elif tok in params.stop_token_ids:
@@ -331,14 +345,12 @@ class Engine:
                 reason = FinishReason.LENGTH
             if reason:
                 break
+        if not params.stop:
+            new_text, _ = text.push(new)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        text = self._texts[req.req_id]
-        new_text, stop = text.push(new)
-        if stop is not None:
-            reason, detail = FinishReason.STOP, stop
         if reason:
-            if stop is None:
+            if not cut:
                 new_text += text.finish()
             self.scheduler.remove(req)
             self._finish(req, reason, detail)

@@ -38,30 +38,43 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)):
+            raise InvalidRequest("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(stop_ids, (list, tuple)):
+            raise InvalidRequest("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequest("temperature", f"must be in [0, 2], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequest("temperature", f"must be a number in [0, 2] (0 is greedy), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequest("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise InvalidRequest("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must be non-empty strings")
         if len(self.stop) > 16:
             raise InvalidRequest("stop", f"at most 16 stop strings, got {len(self.stop)}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", "must be non-negative token ids")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", "must be non-negative integer token ids")
         k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or k < 0):
+        if k is not None and (not _is_int(k) or k < 0):
             raise InvalidRequest("num_speculative_tokens", f"must be an integer >= 0, got {k!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    """An int or float that is not a bool (NaN passes here and fails every range check)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

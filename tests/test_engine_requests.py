@@ -1,0 +1,349 @@
+"""Requests end the way they were asked to, bad requests change nothing, failures stay contained.
+
+Stop conditions (EOS, ignore_eos, stop token ids, stop strings, max_tokens),
+streamed deltas, validation errors (invariant 6: an InvalidRequest naming the
+field, and the engine exactly as it was), aborts, and fault injection: a draft
+service that raises (output must not change) and a target that raises once
+(the requests holding KV end with an error, the rest run, nothing leaks).
+Stop conditions are checked with and without speculation: a request must end
+at the same token either way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dspark_ray import LLM
+from dspark_ray.engine import InvalidRequest, SamplingParams
+from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
+from engine_fixtures import (  # noqa: F401 - fixtures
+    Collected,
+    TinyModels,
+    assert_drained,
+    collect,
+    engine_state,
+    generate,
+    make_engine,
+    run_all,
+    tiny_models,
+)
+
+PROMPT = [100, 200, 300, 400]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny_models: TinyModels) -> Collected:
+    """The target's greedy continuation of PROMPT (validated against transformers elsewhere)."""
+    ref = generate(make_engine(tiny_models.target), [PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    assert ref.finish_reason == "length" and len(set(ref.token_ids)) > 10
+    return ref
+
+
+def engines(tiny_models: TinyModels, target: Path | None = None):
+    """The same checkpoint without speculation, with a partly right draft, and with an always right one.
+
+    The always-right draft (the target itself, seeing the whole context)
+    emits k + 1 = 5 tokens a step, so most stops fall inside a block.
+    """
+    target = target or tiny_models.target
+    return {
+        "plain": make_engine(target),
+        "spec": make_engine(target, tiny_models.drafts["near"], num_speculative_tokens=4),
+        "spec-exact": make_engine(target, target, num_speculative_tokens=4, draft_window=128),
+    }
+
+
+def first_new_token(tokens: list[int], after: int) -> tuple[int, int]:
+    """(index, token) of the first token at or after ``after`` that did not occur before it."""
+    for i in range(after, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i, tokens[i]
+    raise AssertionError("no fresh token to stop on")
+
+
+# -- stop conditions ---------------------------------------------------------------------------
+
+
+def test_stop_token_ids(tiny_models, greedy_ref):
+    ref = greedy_ref.token_ids
+    i, tok = first_new_token(ref, 9)
+    for name, engine in engines(tiny_models).items():
+        res = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[tok, 4095]))[0]
+        assert res.token_ids == ref[: i + 1], name
+        assert (res.finish_reason, res.stop_reason) == ("stop", tok), name
+        assert_drained(engine, 1)
+
+
+def with_eos(tiny_models: TinyModels, folder: Path, eos) -> Path:
+    """The tiny target with ``eos`` as its generation_config EOS (weights linked, not copied)."""
+    folder.mkdir()
+    for f in tiny_models.target.iterdir():
+        if f.name != "generation_config.json":
+            (folder / f.name).symlink_to(f)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return folder
+
+
+def test_eos_and_ignore_eos(tiny_models, greedy_ref, tmp_path):
+    ref = greedy_ref.token_ids
+    i, tok = first_new_token(ref, 6)
+    j, other = first_new_token(ref, i + 3)
+    target = with_eos(tiny_models, tmp_path / "eos", [other, tok])
+    for name, engine in engines(tiny_models, target).items():
+        assert engine.tokenizer.eos_token_ids == {tok, other}
+        res = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0]
+        assert res.token_ids == ref[: i + 1], name
+        assert (res.finish_reason, res.stop_reason) == ("stop", tok), name
+        res = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+        assert res.token_ids == ref and res.finish_reason == "length" and res.stop_reason is None, name
+        assert_drained(engine, 2)
+
+
+def test_max_tokens_ends_with_length(tiny_models, greedy_ref):
+    for name, engine in engines(tiny_models).items():
+        for n in (1, 2, 5, 17):
+            res = generate(engine, [PROMPT], SamplingParams(max_tokens=n))[0]
+            assert res.token_ids == greedy_ref.token_ids[:n], (name, n)
+            assert (res.finish_reason, res.stop_reason) == ("length", None)
+            assert res.text == engine.tokenizer.decode(res.token_ids)
+
+
+def stop_string_case(engine, ref_ids: list[int]) -> tuple[str, str, int]:
+    """A stop string from the middle of the reference text: (stop, text before it, tokens to produce it)."""
+    decode = engine.tokenizer.decode
+    text = decode(ref_ids)
+    for start in range(len(text) // 3, len(text) - 4):
+        stop = text[start:start + 4]
+        if stop.strip() == stop and text.find(stop) == start:
+            break
+    else:
+        raise AssertionError(f"no usable stop string in {text!r}")
+    n = next(n for n in range(1, len(ref_ids) + 1) if stop in decode(ref_ids[:n]))
+    return stop, text[:start], n
+
+
+def test_stop_strings(tiny_models, greedy_ref):
+    """Text is cut before the stop string; the tokens end at the one that completed it."""
+    ref = greedy_ref.token_ids
+    for name, engine in engines(tiny_models).items():
+        stop, before, n = stop_string_case(engine, ref)
+        params = SamplingParams(max_tokens=MAX_TOKENS, stop=[stop, "never-there"])
+        res = generate(engine, [PROMPT], params)[0]
+        assert res.text == before, name  # the streamed deltas, concatenated
+        assert (res.finish_reason, res.stop_reason) == ("stop", stop), name
+        assert res.token_ids == ref[:n], f"{name}: the request ran past the token that completed {stop!r}"
+        # Two stop strings: the one that appears first in the text wins.
+        later = engine.tokenizer.decode(ref)[len(before) + 2:len(before) + 6]
+        res = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, stop=[later, stop]))[0]
+        assert (res.text, res.stop_reason) == (before, stop)
+        # A stop string that never appears changes nothing.
+        res = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, stop="never-there"))[0]
+        assert res.token_ids == ref and res.text == greedy_ref.text and res.finish_reason == "length"
+        assert_drained(engine, 3)
+
+
+def test_streaming_deltas_concatenate_to_the_final_text(tiny_models):
+    """Offline API text == concatenated step deltas == decode(token ids), for several requests at once."""
+    llm = LLM(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3, capacity=4)
+    prompts = ["ROMEO: hello", "Now is the winter of our discontent", "A", "KING: what ho"]
+    params = [SamplingParams(max_tokens=25), SamplingParams(max_tokens=30, temperature=1.0, seed=3),
+              SamplingParams(max_tokens=12, temperature=0.5, seed=4), SamplingParams(max_tokens=9)]
+    final = llm.generate(prompts, params)
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    deltas: dict[str, list[str]] = {i: [] for i in ids}
+    results: dict[str, Collected] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        for out in outputs:
+            deltas[out.req_id].append(out.new_text)
+        collect(engine, results, outputs)
+    for req_id, done in zip(ids, final):
+        streamed = "".join(deltas[req_id])
+        assert streamed == done.text == llm.tokenizer.decode(done.token_ids)
+        assert results[req_id].token_ids == done.token_ids
+        assert len(deltas[req_id]) > 1
+    assert_drained(engine)
+
+
+# -- bad requests ------------------------------------------------------------------------------
+
+
+BAD_PARAMS = [
+    ("max_tokens", dict(max_tokens=0)), ("max_tokens", dict(max_tokens=-3)), ("max_tokens", dict(max_tokens=2.5)),
+    ("max_tokens", dict(max_tokens=True)), ("max_tokens", dict(max_tokens="5")),
+    ("temperature", dict(temperature=-0.5)), ("temperature", dict(temperature=2.5)),
+    ("temperature", dict(temperature=math.nan)), ("temperature", dict(temperature="hot")),
+    ("temperature", dict(temperature=None)),
+    ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5)), ("top_p", dict(top_p=math.nan)),
+    ("top_p", dict(top_p="x")),
+    ("top_k", dict(top_k=-1)), ("top_k", dict(top_k=1.5)), ("top_k", dict(top_k=True)),
+    ("seed", dict(seed=-1)), ("seed", dict(seed=2**63)), ("seed", dict(seed=1.5)),
+    ("stop", dict(stop=[""])), ("stop", dict(stop=[3])), ("stop", dict(stop=[f"s{i}" for i in range(17)])),
+    ("stop_token_ids", dict(stop_token_ids=[-1])), ("stop_token_ids", dict(stop_token_ids=["a"])),
+    ("num_speculative_tokens", dict(num_speculative_tokens=-1)),
+    ("num_speculative_tokens", dict(num_speculative_tokens=1.5)),
+]
+
+
+@pytest.mark.parametrize("field, kwargs", BAD_PARAMS, ids=[f"{f}={list(k.values())[0]!r}"[:40] for f, k in BAD_PARAMS])
+def test_bad_sampling_params(field, kwargs):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}: ")
+
+
+def test_bad_requests_change_nothing(tiny_models):
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], max_context=64)
+    running = engine.add_request(PROMPT, SamplingParams(max_tokens=20), req_id="busy")
+    engine.add_request([5, 6], SamplingParams(max_tokens=20), req_id="queued")
+    results: dict[str, Collected] = {}
+    collect(engine, results, engine.step())  # "busy" and "queued" now hold slots and KV
+    engine.add_request([7], SamplingParams(max_tokens=5), req_id="waiting")
+    before = engine_state(engine)
+    cases = [
+        ("prompt", [1] * 64, SamplingParams(max_tokens=1)),  # the context holds no output token
+        ("prompt", [1] * 200, SamplingParams(max_tokens=1)),
+        ("max_tokens", [1] * 40, SamplingParams(max_tokens=25)),  # 40 + 25 > 64
+        ("prompt", [], SamplingParams()),
+        ("prompt", "", SamplingParams()),
+        ("prompt", [1, 4096], SamplingParams()),
+        ("prompt", [-1], SamplingParams()),
+        ("prompt", [1, 2.0], SamplingParams()),
+        ("prompt", [True], SamplingParams()),
+    ]
+    for field, prompt, params in cases:
+        with pytest.raises(InvalidRequest) as err:
+            engine.add_request(prompt, params)
+        assert err.value.field == field, (prompt, params)
+        assert engine_state(engine) == before, f"rejected {field} changed the engine"
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request([9, 9], SamplingParams(), req_id=running)
+    assert err.value.field == "request_id" and running in str(err.value)
+    assert engine_state(engine) == before
+    run_all(engine, results=results)
+    assert {r: results[r].finish_reason for r in results} == {"busy": "length", "queued": "length",
+                                                             "waiting": "length"}
+    # The longest valid request still fits: prompt + max_tokens == max_context.
+    res = generate(engine, [[1] * 40], SamplingParams(max_tokens=24))[0]
+    assert len(res.token_ids) == 24
+    assert_drained(engine, 4)
+
+
+def test_offline_api_rejects_a_bad_prompt_and_queues_nothing(tiny_models):
+    llm = LLM(tiny_models.target, tiny_models.drafts["near"], max_context=64, capacity=4)
+    with pytest.raises(InvalidRequest) as err:
+        llm.generate([[1, 2], [3] * 70, [4]], SamplingParams(max_tokens=4))
+    assert err.value.field == "prompt"
+    assert_drained(llm.engine)
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2], [3]], [SamplingParams()])
+    assert_drained(llm.engine)
+    assert [len(o.token_ids) for o in llm.generate([[1, 2], [3]], SamplingParams(max_tokens=4))] == [4, 4]
+
+
+# -- aborts ------------------------------------------------------------------------------------
+
+
+def test_abort(tiny_models):
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], capacity=2)
+    a = engine.add_request(PROMPT, SamplingParams(max_tokens=30))
+    b = engine.add_request([7, 8], SamplingParams(max_tokens=30))
+    c = engine.add_request([9], SamplingParams(max_tokens=30))  # waits: two slots
+    results: dict[str, Collected] = {}
+    collect(engine, results, engine.step())
+    assert engine.abort(a) and engine.abort(c)
+    assert not engine.abort(a) and not engine.abort("nobody")
+    collect(engine, results, engine.step())
+    assert results[a].finish_reason == "abort" and results[c].finish_reason == "abort"
+    assert results[c].token_ids == []
+    assert engine.abort(b)
+    assert engine.has_unfinished(), "the abort's output has not been delivered yet"
+    collect(engine, results, engine.step())
+    assert results[b].finished and results[b].finish_reason == "abort"
+    assert_drained(engine, 3)
+
+
+# -- fault injection ---------------------------------------------------------------------------
+
+
+class FailingDraft:
+    """The real draft proposer behind a switch: calls whose number is in ``fail`` raise."""
+
+    def __init__(self, inner, fail) -> None:
+        self.inner, self.fail, self.calls, self.raised = inner, fail, 0, 0
+
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        self.calls += 1
+        if self.fail(self.calls):
+            self.raised += 1
+            raise RuntimeError("draft worker died")
+        return self.inner.propose(rows)
+
+
+@pytest.mark.parametrize("pattern", ["every third", "always"])
+def test_draft_failure_changes_no_output(tiny_models, pattern):
+    fail = {"every third": lambda n: n % 3 == 2, "always": lambda n: True}[pattern]
+    prompts = [PROMPT, [5] * 30, [7, 8, 9]]
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=24), SamplingParams(max_tokens=17)]
+    expected = generate(make_engine(tiny_models.target), prompts, params)
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3, draft_window=8)
+    engine.draft = FailingDraft(engine.draft, fail)
+    results = generate(engine, prompts, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert engine.counters.draft_failures == engine.draft.raised > 0
+    drafts = sum(r.spec.drafts for r in results)
+    assert drafts == 0 if pattern == "always" else drafts > 0
+    # Sampled requests still complete (their exact tokens may differ: blocks change).
+    res = generate(engine, [PROMPT], SamplingParams(max_tokens=20, temperature=1.0, seed=1))[0]
+    assert len(res.token_ids) == 20 and res.error is None
+    assert_drained(engine, 4)
+
+
+class FailingTarget:
+    """The real target runner, whose ``step`` raises on the call numbers in ``fail``."""
+
+    def __init__(self, inner, fail: set[int]) -> None:
+        self.inner, self.fail, self.calls = inner, fail, 0
+
+    def step(self, batch: TargetStep) -> VerifyResult:
+        self.calls += 1
+        if self.calls in self.fail:
+            raise RuntimeError("target shard died")
+        return self.inner.step(batch)
+
+    def release(self, slots: list[int]) -> None:
+        self.inner.release(slots)
+
+    def kv_capacity(self) -> int:
+        return self.inner.kv_capacity()
+
+    def kv_free(self) -> int:
+        return self.inner.kv_free()
+
+    @property
+    def table(self):
+        return self.inner.table
+
+
+def test_target_failure_ends_the_requests_holding_kv_and_leaks_nothing(tiny_models):
+    """A finished request's KV release is pending when the target fails; it must still happen."""
+    engine = make_engine(tiny_models.target, None, capacity=2)
+    engine.target = FailingTarget(engine.target, fail={3})
+    short = engine.add_request(PROMPT, SamplingParams(max_tokens=2))  # ends at step 2: release pending
+    long = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20))
+    results = run_all(engine)
+    assert results[short].finish_reason == "length" and len(results[short].token_ids) == 2
+    assert results[long].finish_reason == "error" and "target shard died" in results[long].error
+    assert_drained(engine, 2)
+    # The same engine keeps serving.
+    res = generate(engine, [PROMPT], SamplingParams(max_tokens=5))[0]
+    assert res.finish_reason == "length" and len(res.token_ids) == 5
+    assert_drained(engine, 3)
