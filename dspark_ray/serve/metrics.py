@@ -258,6 +258,7 @@ class ServingMetrics:
             self._guard("record", self.record, report)
 
     def record(self, r: StepReport) -> None:
+        """Hand one report to Ray's metrics (the recorder thread calls this)."""
         self.running.set(r.running)
         self.waiting.set(r.waiting)
         self.kv_in_use.set(r.kv_in_use)
