@@ -165,3 +165,18 @@ def test_slot_manager_restart_keeps_leases_and_admissions_wait(replica, referenc
     # The restarted registry's balance: what it handed out plus what owners restored, all freed.
     assert snap.counters.restored == 2
     assert snap.in_use == 0 and snap.counters.allocations + snap.counters.restored == snap.counters.releases
+
+
+def test_a_redeploy_with_new_capacity_replaces_an_idle_slot_manager_only(local_ray):
+    from dspark_ray.serve.actors import SlotCapacityMismatch, _slot_manager_with_capacity
+    from dspark_ray.slots import start_slot_manager
+
+    old = start_slot_manager(4, "cap", detached=True)
+    new = _slot_manager_with_capacity(6, "cap")
+    assert ray.get(new.snapshot.remote()).capacity == 6
+    ray.get(new.allocate_many.remote(["busy"], "owner"))
+    with pytest.raises(SlotCapacityMismatch, match="drain"):
+        _slot_manager_with_capacity(8, "cap")
+    assert ray.get(new.snapshot.remote()).capacity == 6  # a manager holding leases is never replaced
+    ray.kill(new, no_restart=True)
+    del old

@@ -209,7 +209,7 @@ class ReplicaServices:
                 max_restarts=-1, max_task_retries=0,
             ).remote(config, torch_threads)
             self.draft = RayDraft(self.draft_worker)
-        self.slot_manager = start_slot_manager(config.capacity, app_name, detached=True)
+        self.slot_manager = _slot_manager_with_capacity(config.capacity, app_name)
         self.slots = RaySlots(self.slot_manager, slot_timeout_s)
 
     def _opts(self, bundle: int, name: str, gpus: float) -> dict:
@@ -257,6 +257,39 @@ class ReplicaServices:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         remove_placement_group(self.placement_group)
+
+
+class SlotCapacityMismatch(RuntimeError):
+    """The application's running slot manager has another capacity and still holds leases."""
+
+
+def _slot_manager_with_capacity(capacity: int, app_name: str):
+    """The application's (detached) slot manager, replaced if idle with another capacity.
+
+    A redeploy with a new ``capacity`` would otherwise keep the old manager
+    and its old capacity; a manager that still holds leases is never replaced.
+    """
+    manager = start_slot_manager(capacity, app_name, detached=True)
+    snap = ray.get(manager.snapshot.remote())
+    if snap.capacity == capacity:
+        return manager
+    if snap.live:
+        raise SlotCapacityMismatch(
+            f"the running slot manager of app {app_name!r} has capacity {snap.capacity} and {len(snap.live)} "
+            f"live leases; drain the application before changing capacity to {capacity} (runbooks/slots.md)"
+        )
+    log.warning("replacing the idle slot manager of %r: capacity %d -> %d", app_name, snap.capacity, capacity)
+    ray.kill(manager, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        manager = start_slot_manager(capacity, app_name, detached=True)
+        try:
+            if ray.get(manager.snapshot.remote(), timeout=5).capacity == capacity:
+                return manager
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.2)
+    raise SlotCapacityMismatch(f"could not restart the slot manager of {app_name!r} with capacity {capacity}")
 
 
 def start_replica_services(config: EngineConfig, **kwargs) -> ReplicaServices:

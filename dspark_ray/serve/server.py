@@ -23,6 +23,7 @@ from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingPar
 from dspark_ray.serve.actors import SlotServiceUnavailable, start_replica_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
+from dspark_ray.serve.metrics import ServingMetrics
 from dspark_ray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -119,7 +120,8 @@ class DSparkServer:
         )
         s = self.services
         engine = Engine(engine_config, self.tokenizer, s.slots, s.target, s.draft, owner=replica)
-        self.loop = EngineLoop(engine, cfg.max_queued_requests, rebuild_target=s.rebuild_target)
+        self.loop = EngineLoop(engine, cfg.max_queued_requests, rebuild_target=s.rebuild_target,
+                               metrics=ServingMetrics(engine, cfg.model_name, replica))
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
     def __del__(self) -> None:
