@@ -5,11 +5,14 @@ Checkpoints are tiny random Llama models saved with transformers (through
 logits). Two families:
 
 - ``tiny_models``: vocabulary 4096 with the shipped BPE tokenizer, a target and
-  three drafts: the target itself (every greedy draft is right when the
+  four drafts: the target itself (every greedy draft is right when the
   draft's window covers the context), a perturbed copy of the target (partial
-  acceptance) and an unrelated model (mostly rejected).
-- ``tiny_vocab_models``: vocabulary 5 with a word-level tokenizer, a target
-  and an unrelated draft, small enough to enumerate every output sequence.
+  acceptance), an unrelated model (mostly rejected) and a "wide" one whose
+  embeddings are padded past the target's vocabulary and often proposes the
+  ids only it has.
+- ``tiny_vocab_models``: vocabulary 5 with a word-level tokenizer, a target,
+  an unrelated draft and a wide draft (vocabulary 7), small enough to
+  enumerate every output sequence.
 
 Test modules import the fixtures they use from here by name.
 """
@@ -70,6 +73,13 @@ def perturbed_copy(hf_model, seed: int, scale: float):
     return other
 
 
+def wide_copy(hf_model, extra_from: int, boost: float = 3.0):
+    """``hf_model`` with the output rows of ids ``extra_from..`` (padding ids) boosted, so they get sampled."""
+    with torch.no_grad():
+        hf_model.lm_head.weight[extra_from:] *= boost
+    return hf_model
+
+
 @dataclass
 class TinyModels:
     target: Path
@@ -85,9 +95,11 @@ def tiny_models(tmp_path_factory) -> TinyModels:
     hf_target = save_tiny_checkpoint(root / "target", seed=0, **ids)
     save_model(root / "near", perturbed_copy(hf_target, seed=1, scale=0.05))
     save_tiny_checkpoint(root / "other", seed=2, num_hidden_layers=1, **ids)
-    for name in ("target", "near", "other"):
+    save_model(root / "wide", wide_copy(save_tiny_checkpoint(root / "wide", seed=3, **{**ids, "vocab_size": 4160}),
+                                        extra_from=4096))
+    for name in ("target", "near", "other", "wide"):
         copy_shipped_tokenizer(root / name)
-    drafts = {"same": root / "target", "near": root / "near", "other": root / "other"}
+    drafts = {"same": root / "target", "near": root / "near", "other": root / "other", "wide": root / "wide"}
     return TinyModels(root / "target", drafts, hf_target)
 
 
@@ -95,6 +107,7 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 class TinyVocabModels:
     target: Path
     draft: Path
+    wide_draft: Path  # vocabulary 7: ids 5 and 6 exist only in the draft
     vocab: int
 
 
@@ -105,9 +118,11 @@ def tiny_vocab_models(tmp_path_factory) -> TinyVocabModels:
                max_position_embeddings=64, hidden_size=32, intermediate_size=48)
     save_tiny_checkpoint(root / "target", seed=10, **ids)
     save_tiny_checkpoint(root / "draft", seed=11, num_hidden_layers=1, **ids)
-    for name in ("target", "draft"):
+    wide = save_tiny_checkpoint(root / "wide", seed=12, num_hidden_layers=1, **{**ids, "vocab_size": 7})
+    save_model(root / "wide", wide_copy(wide, extra_from=len(TINY_VOCAB), boost=1.0))
+    for name in ("target", "draft", "wide"):
         write_word_tokenizer(root / name)
-    return TinyVocabModels(root / "target", root / "draft", len(TINY_VOCAB))
+    return TinyVocabModels(root / "target", root / "draft", root / "wide", len(TINY_VOCAB))
 
 
 def make_engine(target: Path, draft: Path | None = None, **config) -> Engine:
@@ -115,6 +130,20 @@ def make_engine(target: Path, draft: Path | None = None, **config) -> Engine:
     config.setdefault("capacity", 8)
     config.setdefault("max_context", 128)
     return build_local_engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, **config))
+
+
+class ProposalLog:
+    """The real draft service, with every proposed token id kept (to show what a test exercised)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.token_ids: list[int] = []
+
+    def propose(self, rows):
+        proposal = self.inner.propose(rows)
+        for drafts in proposal.draft_token_ids:
+            self.token_ids += drafts
+        return proposal
 
 
 # -- driving an engine -------------------------------------------------------------------------

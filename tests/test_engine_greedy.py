@@ -23,6 +23,7 @@ from dspark_ray.engine.interfaces import Proposal, ProposeRow
 from dspark_ray.model.llama import CausalAttention
 from engine_fixtures import (  # noqa: F401 - fixtures
     EOS_ID,
+    ProposalLog,
     TinyModels,
     assert_drained,
     generate,
@@ -91,6 +92,24 @@ def test_greedy_equals_transformers(tiny_models: TinyModels, reference, draft, w
             low, high = {"same": (1.0, 1.0), "near": (0.1, 0.9), "other": (0.0, 0.05)}[draft]
             assert low <= rate <= high, rate
     assert_drained(engine, len(prompts))
+
+
+def test_draft_with_a_wider_vocabulary(tiny_models: TinyModels, reference):
+    """A draft padded past the target's vocabulary proposes ids the target lacks: they are rejected."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts["wide"], num_speculative_tokens=3,
+                         draft_window=MAX_CONTEXT, max_context=MAX_CONTEXT)
+    engine.draft = log = ProposalLog(engine.draft)
+    prompts = prompt_set()
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    sampled = [SamplingParams(max_tokens=n, temperature=1.0, seed=i) for i, n in enumerate(MAX_TOKENS)]
+    results = generate(engine, prompts + prompts, params + sampled)
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n]
+    for n, res in zip(MAX_TOKENS, results[len(prompts):]):
+        assert res.error is None and all(t < 4096 for t in res.token_ids)
+        assert len(res.token_ids) == n or res.finish_reason == "stop"
+    assert sum(t >= 4096 for t in log.token_ids) > 10, "the draft never proposed an id the target lacks"
+    assert_drained(engine, 2 * len(prompts))
 
 
 def test_identical_draft_with_full_window_accepts_everything(tiny_models: TinyModels, reference):

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from dspark_ray.engine import SamplingParams
 from engine_fixtures import (  # noqa: F401 - fixtures
+    ProposalLog,
     TinyModels,
     TinyVocabModels,
     assert_drained,
@@ -92,9 +94,13 @@ def chi_square(counts: dict, expected_probs: dict, n: int) -> tuple[float, int, 
     return stat, df, p_value
 
 
-def sample_counts(models: TinyVocabModels, k: int | None, params: dict, n: int = NUM_SAMPLES) -> tuple[dict, list]:
-    engine = make_engine(models.target, models.draft if k else None, num_speculative_tokens=k or 1,
-                         capacity=64, max_num_seqs=64, max_context=16)
+def sample_counts(models: TinyVocabModels, k: int | None, params: dict, n: int = NUM_SAMPLES,
+                  draft: Path | None = None) -> tuple[dict, list]:
+    draft = (draft or models.draft) if k else None
+    engine = make_engine(models.target, draft, num_speculative_tokens=k or 1, capacity=64, max_num_seqs=64,
+                         max_context=16)
+    if draft:
+        engine.draft = log = ProposalLog(engine.draft)
     counts: dict[tuple, int] = {}
     specs = []
     for start in range(0, n, 64):
@@ -104,11 +110,12 @@ def sample_counts(models: TinyVocabModels, k: int | None, params: dict, n: int =
             counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
             specs.append(res.spec)
     assert_drained(engine, n)
-    return counts, specs
+    return counts, specs, (log.token_ids if draft else [])
 
 
 CASES = {
     "t1-spec2": (2, dict(temperature=1.0)),
+    "t1-spec2-wide-draft": (2, dict(temperature=1.0)),
     "t1-spec1": (1, dict(temperature=1.0)),
     "t1-nospec": (None, dict(temperature=1.0)),
     "topk-topp-spec2": (2, dict(temperature=1.5, top_k=4, top_p=0.95)),
@@ -120,8 +127,13 @@ def test_sampled_sequences_follow_the_target_distribution(tiny_vocab_models: Tin
     k, params = CASES[case]
     expected = exact_distribution(tiny_vocab_models.target, tiny_vocab_models.vocab, params["temperature"],
                                   params.get("top_k", 0), params.get("top_p", 1.0))
-    counts, specs = sample_counts(tiny_vocab_models, k, params)
+    wide = case.endswith("wide-draft")
+    counts, specs, proposed = sample_counts(tiny_vocab_models, k, params,
+                                  draft=tiny_vocab_models.wide_draft if wide else None)
     assert all(expected[seq] > 0 for seq in counts), "sampled a sequence the target gives probability 0"
+    if wide:  # the draft proposed ids the target lacks (always rejected), and the rule stayed exact
+        print(f"{case}: {sum(t >= tiny_vocab_models.vocab for t in proposed) / len(proposed):.2f} of drafts outside")
+        assert sum(t >= tiny_vocab_models.vocab for t in proposed) > len(proposed) // 10
     if "top_k" in params:  # the filters really cut tokens, or this case would test nothing new
         assert sum(p == 0 for p in expected.values()) > len(expected) // 3
     stat, df, p_value = chi_square(counts, expected, NUM_SAMPLES)

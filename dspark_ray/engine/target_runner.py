@@ -139,8 +139,12 @@ class TargetRunner:
         positions = torch.zeros((B, T), dtype=torch.int64)
         write_index = torch.zeros((B, T), dtype=torch.int64)
         offset = 0
+        vocab = self.model.config.vocab_size
         for b, (r, n) in enumerate(zip(rows, counts)):
-            tokens[b, :n] = torch.tensor(r.token_ids + r.draft_token_ids)
+            # A draft whose vocabulary is wider than the target's (padded embeddings) can propose
+            # ids the target does not have: verification rejects them, so feed a valid id instead.
+            drafts = tuple(t if t < vocab else 0 for t in r.draft_token_ids)
+            tokens[b, :n] = torch.tensor(r.token_ids + drafts)
             positions[b, :n] = torch.arange(r.start, r.start + n)
             positions[b, n:] = r.start + n - 1  # padding queries repeat the last position
             write_index[b, :n] = indices[offset:offset + n]
@@ -169,9 +173,29 @@ class TargetRunner:
         num_draft = torch.tensor([len(r.draft_token_ids) for r in rows], dtype=torch.int64)
         first_positions = [r.start + len(r.token_ids) for r in rows]
         if draft_probs is not None:
-            draft_probs = draft_probs.to(self.device, torch.float32)
+            draft_probs = fit_vocab(draft_probs.to(self.device, torch.float32), logits.shape[-1])
         out, accepted = verify(logits, drafts.to(self.device), num_draft.to(self.device), draft_probs,
                                [r.sampling for r in rows], first_positions)
         out, accepted = out.tolist(), accepted.tolist()
         emitted = [row[: a + 1] for row, a in zip(out, accepted)]
         return emitted, accepted
+
+
+def fit_vocab(
+    draft_probs: torch.Tensor,  # [B, K, Vd] float32, the draft's q
+    vocab: int,  # the target's vocabulary size V
+) -> torch.Tensor:  # [B, K, V] float32, contiguous
+    """The draft's q over the target's vocabulary.
+
+    Draft and target share a tokenizer but may pad their embeddings to
+    different sizes. Ids only the draft has get target probability 0, so a
+    draft token among them is always rejected; dropping their q mass leaves
+    the residual max(0, p - q) over the target's ids unchanged, so the rule
+    stays exact. Ids only the target has were never proposed: q is 0 there.
+    """
+    width = draft_probs.shape[-1]
+    if width > vocab:
+        return draft_probs[..., :vocab].contiguous()
+    if width < vocab:
+        return F.pad(draft_probs, (0, vocab - width))
+    return draft_probs
