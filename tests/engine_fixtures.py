@@ -10,9 +10,10 @@ logits). Two families:
   acceptance), an unrelated model (mostly rejected) and a "wide" one whose
   embeddings are padded past the target's vocabulary and often proposes the
   ids only it has.
-- ``tiny_vocab_models``: vocabulary 5 with a word-level tokenizer, a target,
-  an unrelated draft and a wide draft (vocabulary 7), small enough to
-  enumerate every output sequence.
+- ``tiny_vocab_models``: vocabulary 5 with a word-level tokenizer, a target
+  and an unrelated draft, small enough to enumerate every output sequence;
+  plus the same target under a 7-word tokenizer paired with a draft of
+  vocabulary 7, which proposes ids the target's embeddings lack.
 
 Test modules import the fixtures they use from here by name.
 """
@@ -83,8 +84,10 @@ def wide_copy(hf_model, extra_from: int, boost: float = 3.0):
 @dataclass
 class TinyModels:
     target: Path
-    drafts: dict[str, Path]  # "same" | "near" | "other"
+    drafts: dict[str, Path]  # "same" | "near" | "other" | "wide"
     hf_target: object  # the transformers model saved at ``target`` (float32, eval)
+    padded_target: Path  # vocabulary 4160 > the tokenizer's 4096, the padding rows boosted
+    hf_padded_target: object
 
 
 @pytest.fixture(scope="session")
@@ -93,21 +96,24 @@ def tiny_models(tmp_path_factory) -> TinyModels:
     ids = dict(vocab_size=4096, eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID,
                max_position_embeddings=MAX_POSITIONS)
     hf_target = save_tiny_checkpoint(root / "target", seed=0, **ids)
+    padded = save_tiny_checkpoint(root / "padded", seed=4, **{**ids, "vocab_size": 4160})
+    save_model(root / "padded", wide_copy(padded, extra_from=4096))
     save_model(root / "near", perturbed_copy(hf_target, seed=1, scale=0.05))
     save_tiny_checkpoint(root / "other", seed=2, num_hidden_layers=1, **ids)
     save_model(root / "wide", wide_copy(save_tiny_checkpoint(root / "wide", seed=3, **{**ids, "vocab_size": 4160}),
                                         extra_from=4096))
-    for name in ("target", "near", "other", "wide"):
+    for name in ("target", "near", "other", "wide", "padded"):
         copy_shipped_tokenizer(root / name)
     drafts = {"same": root / "target", "near": root / "near", "other": root / "other", "wide": root / "wide"}
-    return TinyModels(root / "target", drafts, hf_target)
+    return TinyModels(root / "target", drafts, hf_target, root / "padded", padded)
 
 
 @dataclass
 class TinyVocabModels:
     target: Path
     draft: Path
-    wide_draft: Path  # vocabulary 7: ids 5 and 6 exist only in the draft
+    wide_target: Path  # ``target``'s weights (vocabulary 5) under a 7-word tokenizer
+    wide_draft: Path  # vocabulary 7, same tokenizer: ids 5 and 6 exist only in the draft
     vocab: int
 
 
@@ -118,11 +124,16 @@ def tiny_vocab_models(tmp_path_factory) -> TinyVocabModels:
                max_position_embeddings=64, hidden_size=32, intermediate_size=48)
     save_tiny_checkpoint(root / "target", seed=10, **ids)
     save_tiny_checkpoint(root / "draft", seed=11, num_hidden_layers=1, **ids)
-    wide = save_tiny_checkpoint(root / "wide", seed=12, num_hidden_layers=1, **{**ids, "vocab_size": 7})
-    save_model(root / "wide", wide_copy(wide, extra_from=len(TINY_VOCAB), boost=1.0))
-    for name in ("target", "draft", "wide"):
+    save_tiny_checkpoint(root / "wide", seed=12, num_hidden_layers=1, **{**ids, "vocab_size": 7})
+    for name in ("target", "draft"):
         write_word_tokenizer(root / name)
-    return TinyVocabModels(root / "target", root / "draft", root / "wide", len(TINY_VOCAB))
+    (root / "wide_target").mkdir()
+    for f in (root / "target").iterdir():
+        if f.name not in TOKENIZER_FILES:
+            (root / "wide_target" / f.name).symlink_to(f)
+    for name in ("wide", "wide_target"):
+        write_word_tokenizer(root / name, TINY_VOCAB + ("e", "f"))
+    return TinyVocabModels(root / "target", root / "draft", root / "wide_target", root / "wide", len(TINY_VOCAB))
 
 
 def make_engine(target: Path, draft: Path | None = None, **config) -> Engine:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -95,9 +94,10 @@ def chi_square(counts: dict, expected_probs: dict, n: int) -> tuple[float, int, 
 
 
 def sample_counts(models: TinyVocabModels, k: int | None, params: dict, n: int = NUM_SAMPLES,
-                  draft: Path | None = None) -> tuple[dict, list]:
-    draft = (draft or models.draft) if k else None
-    engine = make_engine(models.target, draft, num_speculative_tokens=k or 1, capacity=64, max_num_seqs=64,
+                  wide: bool = False) -> tuple[dict, list, list]:
+    target = models.wide_target if wide else models.target
+    draft = (models.wide_draft if wide else models.draft) if k else None
+    engine = make_engine(target, draft, num_speculative_tokens=k or 1, capacity=64, max_num_seqs=64,
                          max_context=16)
     if draft:
         engine.draft = log = ProposalLog(engine.draft)
@@ -128,8 +128,7 @@ def test_sampled_sequences_follow_the_target_distribution(tiny_vocab_models: Tin
     expected = exact_distribution(tiny_vocab_models.target, tiny_vocab_models.vocab, params["temperature"],
                                   params.get("top_k", 0), params.get("top_p", 1.0))
     wide = case.endswith("wide-draft")
-    counts, specs, proposed = sample_counts(tiny_vocab_models, k, params,
-                                  draft=tiny_vocab_models.wide_draft if wide else None)
+    counts, specs, proposed = sample_counts(tiny_vocab_models, k, params, wide=wide)
     assert all(expected[seq] > 0 for seq in counts), "sampled a sequence the target gives probability 0"
     if wide:  # the draft proposed ids the target lacks (always rejected), and the rule stayed exact
         print(f"{case}: {sum(t >= tiny_vocab_models.vocab for t in proposed) / len(proposed):.2f} of drafts outside")

@@ -18,7 +18,7 @@ import torch
 
 from dspark_kernels import ops
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
-from dspark_ray.engine.verifier import sample_draft_tokens
+from dspark_ray.engine.verifier import mask_vocab, sample_draft_tokens
 from dspark_ray.model.llama import CausalAttention, CausalLM
 from dspark_ray.slots import DraftWindowCache
 
@@ -53,9 +53,12 @@ class RecordingAttention(CausalAttention):
 
 
 class DraftProposer:
-    def __init__(self, model: CausalLM, capacity: int, window: int, max_spec_tokens: int) -> None:
+    def __init__(self, model: CausalLM, capacity: int, window: int, max_spec_tokens: int,
+                 vocab_limit: int | None = None) -> None:
+        """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never proposed."""
         self.model = model
         cfg = model.config
+        self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < cfg.vocab_size else None
         param = next(model.parameters())
         self.device = param.device
         kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
@@ -117,7 +120,10 @@ class DraftProposer:
         pos = torch.arange(n - keep, n, device=self.device)[None, :]
         for layer, (k, v) in enumerate(attn.kv):
             self.cache.append(layer, slot, pos, k[:, n - keep:].contiguous(), v[:, n - keep:].contiguous())
-        return self.model.logits(hidden[0, -1])
+        return self._logits(hidden[0, -1])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
+        return mask_vocab(self.model.logits(hidden), self.vocab_limit)
 
     def _ring_forward(self, token_ids: list, starts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """Feed each row's tokens at its positions through the ring; [B, V] logits at each row's last."""
@@ -130,7 +136,7 @@ class DraftProposer:
         ids, pos = ids.to(self.device), pos.to(self.device)
         hidden = self.model.hidden_states(ids, pos, RingAttention(self.cache, slots, pos))
         last = torch.tensor([len(t) - 1 for t in token_ids], device=self.device)
-        return self.model.logits(hidden[torch.arange(B, device=self.device), last])
+        return self._logits(hidden[torch.arange(B, device=self.device), last])
 
     def _draft(self, rows: list[ProposeRow], slots: torch.Tensor, logits: torch.Tensor) -> Proposal:
         B, K = len(rows), self.max_spec_tokens
@@ -159,4 +165,4 @@ class DraftProposer:
         pos = torch.tensor([s if f else -1 for f, s in zip(feed, starts)], dtype=torch.int64,
                            device=self.device)[:, None]
         hidden = self.model.hidden_states(ids, pos, RingAttention(self.cache, slots, pos))
-        return self.model.logits(hidden[:, 0])
+        return self._logits(hidden[:, 0])

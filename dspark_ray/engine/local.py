@@ -25,10 +25,11 @@ def build_local_engine(config: EngineConfig, owner: str = "local") -> Engine:
     dtype = runtime_dtype(config.dtype, config.device)
     target_model = load(config.model, dtype=dtype, device=config.device)
     k = config.spec_tokens
-    target = TargetRunner(target_model, config.capacity, config.max_context, config.kv_tokens + 1, k)
+    vocab = tokenizer.vocab_size  # models may pad their embeddings past it: those ids never come out
+    target = TargetRunner(target_model, config.capacity, config.max_context, config.kv_tokens + 1, k, vocab)
     draft = None
     if config.draft:
         check_compatible(tokenizer, Tokenizer.from_path(config.draft))
         draft_model = load(config.draft, dtype=dtype, device=config.device)
-        draft = DraftProposer(draft_model, config.capacity, config.draft_window, k)
+        draft = DraftProposer(draft_model, config.capacity, config.draft_window, k, vocab)
     return Engine(config, tokenizer, SlotRegistry(config.capacity), target, draft, owner=owner)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
-from dspark_ray.engine.verifier import verify
+from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.slots import ReqToTokenTable
 
@@ -72,9 +72,12 @@ class TargetRunner:
         max_context: int,
         kv_pool_size: int,
         max_spec_tokens: int,
+        vocab_limit: int | None = None,
     ) -> None:
+        """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never emitted."""
         self.model = model
         self.max_spec_tokens = max_spec_tokens
+        self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.config.vocab_size else None
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.table = ReqToTokenTable(capacity, max_context, kv_pool_size, self.device)
@@ -162,7 +165,7 @@ class TargetRunner:
         first = torch.tensor([len(r.token_ids) - 1 for r in rows])
         gather = (first[:, None] + torch.arange(K1)[None, :]).clamp(max=T - 1)  # [B, K+1]
         picked = hidden[torch.arange(B)[:, None], gather.to(dev)]  # [B, K+1, H]
-        return self.model.logits(picked)
+        return mask_vocab(self.model.logits(picked), self.vocab_limit)
 
     def _verify(self, rows: list[VerifyRow], logits: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:

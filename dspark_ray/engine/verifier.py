@@ -20,6 +20,16 @@ from dspark_ray.engine.interfaces import SamplingRow
 from dspark_ray.engine.randomness import DRAFT_STREAM, VERIFY_STREAM, derive_seed
 
 
+def mask_vocab(
+    logits: torch.Tensor,  # [..., V] float32
+    limit: int | None,
+) -> torch.Tensor:  # [..., V], ids >= limit at -inf
+    """Rule out ids past ``limit``: rows a checkpoint pads its embeddings with, which no tokenizer id names."""
+    if limit is not None:
+        logits[..., limit:] = float("-inf")
+    return logits
+
+
 def sampling_probs(
     logits: torch.Tensor,  # [N, V] float32
     rows: Sequence[SamplingRow],  # N rows, none greedy
