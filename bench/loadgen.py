@@ -219,11 +219,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    cfg = LoadConfig(
-        base_url=args.base_url, model=args.model, max_tokens=args.max_tokens,
-        concurrency=args.concurrency if args.concurrency or args.rate else 8, rate=args.rate,
-        requests=args.requests, duration_s=args.duration, timeout_s=args.timeout, api_key=args.api_key,
-        extra_body=args.extra_body, seed=args.seed, allow_remote=args.allow_remote, progress=not args.no_progress)
+    try:
+        cfg = LoadConfig(
+            base_url=args.base_url, model=args.model, max_tokens=args.max_tokens,
+            concurrency=args.concurrency if args.concurrency or args.rate else 8, rate=args.rate,
+            requests=args.requests, duration_s=args.duration, timeout_s=args.timeout, api_key=args.api_key,
+            extra_body=args.extra_body, seed=args.seed, allow_remote=args.allow_remote,
+            progress=not args.no_progress)
+    except ValueError as exc:  # RemoteTargetRefused included
+        print(f"loadgen: {exc}", file=sys.stderr)
+        return 2
     result = asyncio.run(run_load(cfg))
     print(format_summary(result.summary))
     for kind, message in result.error_examples.items():
