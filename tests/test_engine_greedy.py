@@ -188,6 +188,18 @@ def test_per_request_k_and_speculation_off(tiny_models: TinyModels, reference):
     assert_drained(engine, len(prompts))
 
 
+def test_tight_budgets(tiny_models: TinyModels, reference):
+    """Two slots, two rows, a 12-token step budget (a longer prompt runs alone): same tokens."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3,
+                         draft_window=MAX_CONTEXT, max_context=MAX_CONTEXT, capacity=2, max_num_seqs=2,
+                         max_num_batched_tokens=12)
+    prompts = prompt_set()
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n]
+    assert_drained(engine, len(prompts))
+
+
 def test_offline_api_text_prompts(tiny_models: TinyModels):
     """``LLM.generate`` on strings: spec == no spec == transformers, and text == decode(token ids)."""
     llm_spec = LLM(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3, draft_window=MAX_CONTEXT,

@@ -249,6 +249,20 @@ def test_offline_api_rejects_a_bad_prompt_and_queues_nothing(tiny_models):
     assert [len(o.token_ids) for o in llm.generate([[1, 2], [3]], SamplingParams(max_tokens=4))] == [4, 4]
 
 
+def test_chat(tiny_models):
+    """``LLM.chat`` renders the checkpoint's template and generates from it (no BOS added twice)."""
+    llm = LLM(tiny_models.target, tiny_models.drafts["near"], capacity=4)
+    conv = [{"role": "user", "content": "Who is there?"}]
+    params = SamplingParams(max_tokens=12)
+    out = llm.chat(conv, params)[0]
+    rendered = llm.tokenizer.apply_chat_template(conv)
+    assert rendered.endswith("<|assistant|>\n")
+    ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == llm.generate([ids], params)[0].token_ids
+    assert len(llm.chat([conv, conv], params)) == 2
+
+
 # -- aborts ------------------------------------------------------------------------------------
 
 
@@ -305,6 +319,34 @@ def test_draft_failure_changes_no_output(tiny_models, pattern):
     res = generate(engine, [PROMPT], SamplingParams(max_tokens=20, temperature=1.0, seed=1))[0]
     assert len(res.token_ids) == 20 and res.error is None
     assert_drained(engine, 4)
+
+
+def test_draft_restart_mid_run(tiny_models):
+    """A fresh draft proposer (a restarted worker: empty caches) takes over mid-run.
+
+    Its first call finds the requests' caches missing (DraftCacheBehind), that
+    step runs without drafts, the next one catches up from position 0, and
+    speculation resumes with output unchanged.
+    """
+    from dspark_ray.engine.draft_proposer import DraftProposer
+    from dspark_ray.model import load
+
+    prompts = [PROMPT, [5] * 30, [7, 8, 9]]
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=24), SamplingParams(max_tokens=17)]
+    expected = generate(make_engine(tiny_models.target), prompts, params)
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3, draft_window=8)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    results: dict[str, Collected] = {}
+    for _ in range(3):
+        collect(engine, results, engine.step())
+    old = engine.draft
+    engine.draft = DraftProposer(load(tiny_models.drafts["near"]), old.cache.capacity, old.cache.window,
+                                 old.max_spec_tokens)
+    run_all(engine, results=results)
+    assert [results[i].token_ids for i in ids] == [r.token_ids for r in expected]
+    assert engine.counters.draft_failures == 1
+    assert sum(results[i].spec.drafts for i in ids) > 3 * 3, "speculation did not resume after the restart"
+    assert_drained(engine, 3)
 
 
 class FailingTarget:
