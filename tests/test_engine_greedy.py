@@ -13,6 +13,7 @@ history.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,24 +285,48 @@ def test_draft_proposals_equal_windowed_reference(tiny_models: TinyModels, windo
     assert_drained(engine, len(prompts))
 
 
+SHIPPED_PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further,",
+                   "KING HENRY V:\nOnce more unto the breach", "HAMLET:\nTo be, or not to be"]
+
+
+def shipped_reference(target: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ray.tokenizer import Tokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = Tokenizer.from_path(target)
+    eos = sorted(tok.eos_token_ids)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt)])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                          eos_token_id=eos, pad_token_id=eos[0])
+        out.append(ref[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_shipped_target_greedy_equals_transformers():
+    """The trained target, alone and as its own draft (every draft right), against transformers."""
+    target = shipped(SHIPPED_TARGET, "model.safetensors")
+    params = SamplingParams(max_tokens=48)
+    expected = shipped_reference(target, SHIPPED_PROMPTS, 48)
+    plain = LLM(target, None, capacity=8, max_context=256).generate(SHIPPED_PROMPTS, params)
+    self_spec = LLM(target, target, num_speculative_tokens=4, draft_window=256, capacity=8,
+                    max_context=256).generate(SHIPPED_PROMPTS, params)
+    for a, b, ref in zip(plain, self_spec, expected):
+        assert a.token_ids == b.token_ids == ref
+        assert b.spec.accepted_tokens == b.spec.draft_tokens > 0
+
+
 def test_shipped_pair_greedy_equals_transformers():
     target = shipped(SHIPPED_TARGET, "model.safetensors")
     draft = shipped(SHIPPED_DRAFT, "model.safetensors")
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    llm = LLM(target, draft, num_speculative_tokens=4, capacity=8, max_context=256)
-    plain = LLM(target, None, capacity=8, max_context=256)
-    prompts = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further,",
-               "KING HENRY V:\nOnce more unto the breach", "HAMLET:\nTo be, or not to be"]
     params = SamplingParams(max_tokens=48)
-    spec, base = llm.generate(prompts, params), plain.generate(prompts, params)
-    accepted = 0
-    for prompt, a, b in zip(prompts, spec, base):
-        ids = llm.tokenizer.encode(prompt)
-        eos = sorted(llm.tokenizer.eos_token_ids)
-        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          do_sample=False, max_new_tokens=48, eos_token_id=eos, pad_token_id=eos[0])
-        assert a.token_ids == b.token_ids == ref[0, len(ids):].tolist(), prompt
-        accepted += a.spec.accepted_tokens
-    assert accepted > 0, "the trained draft never agreed with the trained target"
+    expected = shipped_reference(target, SHIPPED_PROMPTS, 48)
+    spec = LLM(target, draft, num_speculative_tokens=4, capacity=8, max_context=256).generate(SHIPPED_PROMPTS, params)
+    base = LLM(target, None, capacity=8, max_context=256).generate(SHIPPED_PROMPTS, params)
+    for a, b, ref in zip(spec, base, expected):
+        assert a.token_ids == b.token_ids == ref
+    accepted = sum(a.spec.accepted_tokens for a in spec) / sum(a.spec.draft_tokens for a in spec)
+    assert accepted > 0.1, f"the trained draft agrees with the trained target on only {accepted:.0%} of drafts"
