@@ -31,6 +31,7 @@ from engine_fixtures import (  # noqa: F401 - fixtures
     make_engine,
     run_all,
     tiny_models,
+    tiny_vocab_models,
 )
 
 PROMPT = [100, 200, 300, 400]
@@ -261,6 +262,23 @@ def test_chat(tiny_models):
     assert out.prompt_token_ids == ids
     assert out.token_ids == llm.generate([ids], params)[0].token_ids
     assert len(llm.chat([conv, conv], params)) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(num_speculative_tokens=17), dict(num_speculative_tokens=-1),
+                                 dict(capacity=0), dict(max_context=1), dict(max_num_seqs=0),
+                                 dict(kv_pool_tokens=100, max_context=128), dict(draft_window=0)])
+def test_bad_engine_config(tiny_models, bad):
+    from dspark_ray.engine import ConfigError
+
+    with pytest.raises(ConfigError):
+        LLM(tiny_models.target, tiny_models.drafts["near"], **bad)
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_models, tiny_vocab_models):
+    from dspark_ray.tokenizer import TokenizerMismatch
+
+    with pytest.raises(TokenizerMismatch, match="must share the target's tokenizer"):
+        LLM(tiny_models.target, tiny_vocab_models.draft)
 
 
 # -- aborts ------------------------------------------------------------------------------------
