@@ -64,7 +64,7 @@ def reference(tiny_models: TinyModels) -> dict[tuple, list[int]]:
 
 
 def test_reference_is_not_trivial(reference):
-    """The comparison only means something if greedy runs are long and varied, some ending on EOS."""
+    """The comparison only means something if greedy runs are long and varied."""
     outputs = list(reference.values())
     assert sum(len(o) for o in outputs) > 120
     assert len({t for o in outputs for t in o}) > 30
