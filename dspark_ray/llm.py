@@ -66,6 +66,7 @@ class LLM:
                     res.text += out.new_text
                     if out.finished:
                         res.finish_reason, res.stop_reason, res.spec = out.finish_reason, out.stop_reason, out.spec
+                        res.error = out.error
                         bar.update(1)
         return [results[r] for r in order]
 

@@ -80,6 +80,8 @@ class EngineCounters:
 class Engine:
     """Turns requests into tokens through a slot service, a draft and a target."""
 
+    SLOT_RETRY_S = 0.05
+
     def __init__(
         self,
         config: EngineConfig,
@@ -108,6 +110,9 @@ class Engine:
         self._release_leases: list[tuple[str, int]] = []
         self.timings = StepTimings()
         self.counters = EngineCounters()
+        # After the slot service ran out, new admissions wait until this engine frees a
+        # slot or SLOT_RETRY_S passes (another replica may free one), instead of asking every step.
+        self._admissions_paused_until = 0.0
         self.target_error: Exception | None = None  # set when a target step failed; see reset_target
 
     # -- requests ------------------------------------------------------------
@@ -210,7 +215,7 @@ class Engine:
         """Run one step; returns an output for every request that progressed or ended."""
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(admit=time.monotonic() >= self._admissions_paused_until)
         self.counters.preemptions += len(plan.preempted)
         self._release_target.extend(r.slot for r in plan.preempted)
         self._lease_slots(plan)
@@ -249,6 +254,7 @@ class Engine:
             req.target_len = req.draft_len = 0
         left = plan.admitted[len(leases):]
         if left:
+            self._admissions_paused_until = time.monotonic() + self.SLOT_RETRY_S
             self.scheduler.return_unadmitted(left)
             plan.rows = [r for r in plan.rows if r not in left]
 
@@ -371,6 +377,7 @@ class Engine:
         if self._release_leases:
             leases, self._release_leases = self._release_leases, []
             self.slots.release_many(leases)
+            self._admissions_paused_until = 0.0
         if self._release_target and not self.scheduler.has_work():
             slots, self._release_target = self._release_target, []
             try:

@@ -1,4 +1,9 @@
-"""Building an engine whose three services live in this process."""
+"""Building the engine's parts: in this process, or one part per Ray actor.
+
+``make_target_runner`` and ``make_draft_proposer`` are what every target
+shard and the draft worker call too, so the in-process engine and the
+distributed one are built the same way.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.target_runner import TargetRunner
 from dspark_ray.model import load
+from dspark_ray.model.tp import TensorParallel
 from dspark_ray.slots import SlotRegistry
 from dspark_ray.tokenizer import Tokenizer, check_compatible
 
@@ -20,16 +26,27 @@ def runtime_dtype(dtype: str, device: str) -> str:
     return "float32" if torch.device(device).type == "cpu" else "auto"
 
 
+def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: TensorParallel | None = None) -> TargetRunner:
+    """The target (or this rank's shard of it) with its KV pool and request-to-token table.
+
+    ``vocab_limit``: the tokenizer's vocabulary size; models may pad their
+    embeddings past it, and those ids must never come out.
+    """
+    model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp)
+    return TargetRunner(model, config.capacity, config.max_context, config.kv_tokens + 1, config.spec_tokens,
+                        vocab_limit)
+
+
+def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:
+    model = load(config.draft, dtype=runtime_dtype(config.dtype, config.device), device=config.device)
+    return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit)
+
+
 def build_local_engine(config: EngineConfig, owner: str = "local") -> Engine:
     tokenizer = Tokenizer.from_path(config.model)
-    dtype = runtime_dtype(config.dtype, config.device)
-    target_model = load(config.model, dtype=dtype, device=config.device)
-    k = config.spec_tokens
-    vocab = tokenizer.vocab_size  # models may pad their embeddings past it: those ids never come out
-    target = TargetRunner(target_model, config.capacity, config.max_context, config.kv_tokens + 1, k, vocab)
+    target = make_target_runner(config, tokenizer.vocab_size)
     draft = None
     if config.draft:
         check_compatible(tokenizer, Tokenizer.from_path(config.draft))
-        draft_model = load(config.draft, dtype=dtype, device=config.device)
-        draft = DraftProposer(draft_model, config.capacity, config.draft_window, k, vocab)
+        draft = make_draft_proposer(config, tokenizer.vocab_size)
     return Engine(config, tokenizer, SlotRegistry(config.capacity), target, draft, owner=owner)

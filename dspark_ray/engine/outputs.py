@@ -40,4 +40,5 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why, when finish_reason is 'error'
     spec: SpecSummary | None = None

@@ -90,7 +90,8 @@ class Scheduler:
         """Extra KV tokens ``req`` needs while this step runs."""
         return req.num_tokens - req.target_len + self.spec_tokens_for(req)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """Plan one step. ``admit=False`` takes no new request (no slot is free), only resumptions."""
         plan = StepPlan()
         cfg = self.config
         kv_free = cfg.kv_pool_tokens - self.kv_in_use()
@@ -110,6 +111,8 @@ class Scheduler:
             plan.rows.append(req)
         while self.waiting and len(plan.rows) < cfg.max_num_seqs and not plan.preempted:
             req = self.waiting[0]
+            if req.status is Status.WAITING and not admit:
+                break
             need = self._need(req)
             if need > kv_free or (plan.rows and tokens + need > cfg.max_num_batched_tokens):
                 break

@@ -25,6 +25,7 @@ from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, Verif
 from dspark_ray.model.tp import CollectiveTimer
 from dspark_ray.serve.metrics import ShardMetrics
 from dspark_ray.slots import SlotLease, SlotsExhausted, SlotsRecovering, SyncResult, start_slot_manager
+from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,7 @@ class TargetShard:
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity."""
-        from dspark_ray.engine.local import runtime_dtype
-        from dspark_ray.engine.target_runner import TargetRunner
-        from dspark_ray.model import load
+        from dspark_ray.engine.local import make_target_runner
         from dspark_ray.model.tp import TensorParallel
 
         cfg = self.config
@@ -71,8 +70,7 @@ class TargetShard:
                 rank=self.rank, world_size=self.world_size,
             )
             tp = TensorParallel(self.rank, self.world_size, timer=self.collectives)
-        model = load(cfg.model, dtype=runtime_dtype(cfg.dtype, cfg.device), device=cfg.device, tp=tp)
-        self.runner = TargetRunner(model, cfg.capacity, cfg.max_context, cfg.kv_tokens + 1, cfg.spec_tokens)
+        self.runner = make_target_runner(cfg, Tokenizer.from_path(cfg.model).vocab_size, tp)
         return self.runner.kv_capacity()
 
     def step(self, batch: TargetStep) -> VerifyResult:
@@ -92,13 +90,10 @@ class DraftWorker:
     """The draft model, its window cache and kernels."""
 
     def __init__(self, config: EngineConfig, torch_threads: int) -> None:
-        from dspark_ray.engine.draft_proposer import DraftProposer
-        from dspark_ray.engine.local import runtime_dtype
-        from dspark_ray.model import load
+        from dspark_ray.engine.local import make_draft_proposer
 
         torch.set_num_threads(torch_threads)
-        model = load(config.draft, dtype=runtime_dtype(config.dtype, config.device), device=config.device)
-        self.proposer = DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens)
+        self.proposer = make_draft_proposer(config, Tokenizer.from_path(config.model).vocab_size)
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
         return self.proposer.propose(rows)
