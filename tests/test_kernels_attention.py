@@ -13,43 +13,15 @@ import pytest
 import torch
 
 from dspark_kernels import ops, reference
-from dspark_kernels.testing import (
-    AttentionCase,
-    interpreter_in_process,
-    make_attention_case,
-    rerun_under_interpreter,
-)
+from dspark_kernels.testing import AttentionCase, make_attention_case
 
-IN_PROCESS = interpreter_in_process()
+from kernel_fixtures import _under_interpreter, rerun_file_if_needed, triton_only_fixture  # noqa: F401
 
-
-@pytest.fixture(autouse=True)
-def _under_interpreter(request):
-    """Every test here needs the interpreter in process, or this file reruns."""
-    if not IN_PROCESS and request.function.__name__ != "test_file_under_interpreter":
-        pytest.skip("triton was imported for the compiler; rerun in a fresh process")
-
-
-if not IN_PROCESS:
-
-    def test_file_under_interpreter():
-        rerun_under_interpreter(__file__)
-
+test_file_under_interpreter = rerun_file_if_needed(__file__)
+triton_only = triton_only_fixture("window_attention")
 
 # Kept before `triton_only` replaces the module attribute the dispatcher uses.
 REFERENCE = reference.window_attention
-
-
-@pytest.fixture
-def triton_only(monkeypatch):
-    """Force the Triton backend and fail if the reference is reached instead."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the Triton backend fell back to the reference")
-
-    monkeypatch.setattr(reference, "window_attention", refuse)
-    with ops.use_backend("triton"):
-        yield
 
 
 def naive_window_attention(case: AttentionCase) -> torch.Tensor:

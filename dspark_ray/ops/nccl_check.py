@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import time
@@ -86,21 +85,17 @@ class ProbeRank:
         self.rank, self.world_size, self.device = rank, world_size, device
 
     def address(self) -> tuple[str, int]:
-        import ray
+        from dspark_ray.serve.group import rendezvous_address
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return rendezvous_address()
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group; returns this rank's node IP."""
         import ray
-        import torch.distributed as dist
 
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=self.world_size)
+        from dspark_ray.serve.group import join_group
+
+        join_group(self.device, master_addr, master_port, self.rank, self.world_size)
         return ray.util.get_node_ip_address()
 
     def run(self, sizes: list[int], warmup: int, iters: int) -> list[float]:

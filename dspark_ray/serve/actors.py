@@ -11,7 +11,6 @@ process, so the engine does not know it is distributed.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.model.tp import CollectiveTimer
+from dspark_ray.serve.group import join_group, rendezvous_address
 from dspark_ray.serve.metrics import ShardMetrics
 from dspark_ray.slots import SlotLease, SlotsExhausted, SlotsRecovering, SyncResult, start_slot_manager
 from dspark_ray.tokenizer import Tokenizer
@@ -50,11 +50,8 @@ class TargetShard:
         self.metrics = ShardMetrics(Path(config.model).name, replica or "local", rank)
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port for the group's rendezvous (called on rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """The group's rendezvous address (called on rank 0)."""
+        return rendezvous_address()
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity."""
@@ -64,11 +61,7 @@ class TargetShard:
         cfg = self.config
         tp = None
         if self.world_size > 1:
-            backend = "nccl" if cfg.device == "cuda" else "gloo"
-            torch.distributed.init_process_group(
-                backend, init_method=f"tcp://{master_addr}:{master_port}",
-                rank=self.rank, world_size=self.world_size,
-            )
+            join_group(cfg.device, master_addr, master_port, self.rank, self.world_size)
             tp = TensorParallel(self.rank, self.world_size, timer=self.collectives)
         self.runner = make_target_runner(cfg, Tokenizer.from_path(cfg.model).vocab_size, tp)
         return self.runner.kv_capacity()

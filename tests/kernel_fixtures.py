@@ -1,0 +1,49 @@
+"""What every kernel test module shares: the interpreter guard and the Triton-only switch.
+
+A module does ``from kernel_fixtures import *`` and, for its own kernel,
+``triton_only = triton_only_fixture("window_attention")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_kernels import ops, reference
+from dspark_kernels.testing import interpreter_in_process, rerun_under_interpreter
+
+IN_PROCESS = interpreter_in_process()
+
+__all__ = ["IN_PROCESS", "_under_interpreter", "rerun_file_if_needed", "triton_only_fixture"]
+
+
+@pytest.fixture(autouse=True)
+def _under_interpreter(request):
+    """Every kernel test needs the interpreter in process, or its file reruns in a fresh one."""
+    if not IN_PROCESS and request.function.__name__ != "test_file_under_interpreter":
+        pytest.skip("triton was imported for the compiler; rerun in a fresh process")
+
+
+def rerun_file_if_needed(path: str):
+    """A test that reruns ``path`` under TRITON_INTERPRET=1, or None when this process already has it."""
+    if IN_PROCESS:
+        return None
+
+    def test_file_under_interpreter():
+        rerun_under_interpreter(path)
+
+    return test_file_under_interpreter
+
+
+def triton_only_fixture(name: str):
+    """A fixture forcing the Triton backend that fails if the reference ``name`` is reached instead."""
+
+    @pytest.fixture
+    def triton_only(monkeypatch):
+        def refuse(*args, **kwargs):
+            raise AssertionError("the Triton backend fell back to the reference")
+
+        monkeypatch.setattr(reference, name, refuse)
+        with ops.use_backend("triton"):
+            yield
+
+    return triton_only
