@@ -86,12 +86,13 @@ def verify(
         target_probs[idx] = sampling_probs(flat, reps).view(len(sampled), K1, V)
         if draft_probs is None:
             draft_probs = torch.zeros((B, K, V), dtype=torch.float32, device=device)
-    seeds = [
-        None if r.greedy else derive_seed(r.seed, pos, VERIFY_STREAM)
-        for r, pos in zip(rows, first_positions)
-    ]
-    # Greedy rows consume no randomness; give them a fixed seed so nothing global is touched.
-    uniforms, noise = ops.draw_random([0 if s is None else s for s in seeds], B, K, V, device)
+    if sampled:
+        # Greedy rows consume no randomness; a fixed seed keeps the global generator untouched.
+        seeds = [0 if r.greedy else derive_seed(r.seed, pos, VERIFY_STREAM) for r, pos in zip(rows, first_positions)]
+        uniforms, noise = ops.draw_random(seeds, B, K, V, device)
+    else:  # all greedy: the rule reads neither
+        uniforms = torch.zeros((B, K), dtype=torch.float32, device=device)
+        noise = torch.ones((B, 1, V), dtype=torch.float32, device=device).expand(B, K + 1, V)
     return ops.rejection_sample(
         draft_token_ids, num_draft, draft_probs if sampled else None, target_logits,
         target_probs, is_greedy, uniforms, noise,
