@@ -47,7 +47,8 @@ def main() -> None:
 
     config = EngineConfig(model=str(TARGET), draft=str(DRAFT), num_speculative_tokens=args.k, max_context=512,
                           capacity=64, max_num_seqs=64)
-    ray.init(num_cpus=4, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False,
+             namespace="dspark-bench")
     local = build_local_engine(config)
     tokenizer = Tokenizer.from_path(config.model)
     remote = {}
