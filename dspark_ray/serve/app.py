@@ -21,10 +21,14 @@ def build_app(args: dict | None = None) -> Application:
     # beyond that. Serve must therefore let more requests through to a replica
     # than it can hold, or the excess would wait in Serve's router, unbounded,
     # and never be refused. The headroom covers finished streams still
-    # flushing and refusals in progress. Should even that fill up, Serve's own
-    # queue limit refuses with 503 + Retry-After (a plain-text body) as a
-    # backstop; it is as large as the headroom because Serve's router counts
-    # a burst of simultaneous arrivals as queued while it routes them.
+    # flushing and refusals in progress. A burst beyond that waits in Serve's
+    # router (which counts simultaneous arrivals as queued while it routes
+    # them) for the replica to refuse it, milliseconds each. Only past Serve's
+    # own queue limit does Serve refuse, with 503 + Retry-After and a
+    # plain-text body, as a backstop. That limit is well above the headroom:
+    # at the headroom, most of a burst of a few hundred streams met the
+    # backstop instead of an OpenAI error body. A request queued in the router
+    # costs the proxy a connection, not its body (the replica reads the body).
     holds = config.max_queued_requests + config.max_num_seqs
     headroom = max(holds, 32)
     deployment = serve.deployment(
@@ -32,7 +36,7 @@ def build_app(args: dict | None = None) -> Application:
         name="DSparkServer",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=holds + headroom,
-        max_queued_requests=holds + headroom,
+        max_queued_requests=max(1024, 4 * (holds + headroom)),
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         health_check_period_s=10,
     )
