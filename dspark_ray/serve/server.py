@@ -8,6 +8,7 @@ application's slot manager with the other replicas.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -224,7 +225,10 @@ class DSparkServer:
 
     def _authorize(self, request: Request) -> None:
         key = self.config.api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
+        # Constant time, so response timing does not reveal how much of a guess matched; bytes,
+        # because compare_digest refuses non-ASCII str (a client's header must not make a 500).
+        sent = request.headers.get("authorization", "").encode()
+        if key and not hmac.compare_digest(sent, f"Bearer {key}".encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
