@@ -27,14 +27,19 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# pip as configured on some machines warns about missing local index folders on every
+# package; those lines are noise, everything else pip prints is kept.
+pip_install() {
+  .venv/bin/python -m pip --disable-pip-version-check -q install "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing torch==$TORCH_VERSION"
-  "${PIP[@]}" install "torch==$TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
 fi
 echo "[setup] installing dspark_ray$extras (editable)"
-"${PIP[@]}" install -e ".$extras"
+pip_install -e ".$extras"
 
 if [ "$with_test" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
   # The observability tests scrape Ray's metrics with the real Prometheus server.

@@ -148,12 +148,14 @@ def test_slot_manager_restart_keeps_leases_and_admissions_wait(replica, referenc
 
     ray.kill(services.slot_manager, no_restart=False)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the heartbeat the engine loop sends every second
+    while time.monotonic() < deadline:  # ray.kill returns before the old incarnation is gone
         try:
-            engine.sync_slots()
-            break
+            if snapshot(services).counters.allocations == 0:
+                break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
+    engine.sync_slots()  # the heartbeat the engine loop sends every second
     snap = snapshot(services)
     assert {(h.lease.slot, h.lease.epoch) for h in snap.live} == held  # same slots, same epochs
 
