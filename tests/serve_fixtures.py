@@ -295,3 +295,16 @@ def slot_snapshot(app_name: str):
     import ray
 
     return ray.get(slot_manager(app_name).snapshot.remote(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(serve_models, tmp_path_factory) -> ServeRun:
+    """``serve run deploy/dspark.yaml`` (or its tiny-pair copy) for one test module."""
+    import ray
+
+    assert not ray.is_initialized(), "another test left Ray initialised in this process"
+    run = start_serve(serve_models, tmp_path_factory.mktemp("serve_run"))
+    try:
+        yield run
+    finally:
+        stop_serve(run)

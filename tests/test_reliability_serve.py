@@ -45,13 +45,12 @@ from conftest import REPO
 from dspark_ray.serve.app import build_app
 from dspark_ray.slots.manager import SlotManager, start_slot_manager
 from dspark_ray.tokenizer import Tokenizer
-from serve_fixtures import (  # noqa: F401 - serve_models is a fixture
+from serve_fixtures import (  # noqa: F401 - serve_models, served are fixtures
     DEPLOY_YAML,
     ServeRun,
     serve_models,
+    served,
     slot_snapshot,
-    start_serve,
-    stop_serve,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -69,16 +68,6 @@ PROMPTS = ["ROMEO:\nBut soft, what light", "To be, or not"]
 
 
 # -- fixtures and helpers ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served(serve_models, tmp_path_factory):
-    assert not ray.is_initialized(), "another test left Ray initialised in this process"
-    run = start_serve(serve_models, tmp_path_factory.mktemp("serve_run"))
-    try:
-        yield run
-    finally:
-        stop_serve(run)
 
 
 @pytest.fixture(scope="module")

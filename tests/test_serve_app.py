@@ -25,11 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import ray
 from ray import serve
 
 from dspark_ray.serve.app import build_app
-from serve_fixtures import ServeRun, serve_models, slot_snapshot, start_serve, stop_serve  # noqa: F401
+from serve_fixtures import ServeRun, serve_models, served, slot_snapshot  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,16 +40,6 @@ PROMPTS = [
 ]
 CHAT = [{"role": "user", "content": "Speak, good friend: who goes there?"}]
 OVERLOAD_APP = "dspark-overload"
-
-
-@pytest.fixture(scope="module")
-def served(serve_models, tmp_path_factory):
-    assert not ray.is_initialized(), "another test left Ray initialised in this process"
-    run = start_serve(serve_models, tmp_path_factory.mktemp("serve_run"))
-    try:
-        yield run
-    finally:
-        stop_serve(run)
 
 
 @pytest.fixture(scope="module")
