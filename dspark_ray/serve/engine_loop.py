@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from dspark_ray.engine import Engine, RequestOutput, SamplingParams
 from dspark_ray.engine.interfaces import TargetService
-from dspark_ray.engine.request import FinishReason
 from dspark_ray.serve.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -171,9 +170,8 @@ class EngineLoop:
             log.warning("target rebuilt")
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
-        for req_id in list(self.engine.requests):
-            self.engine.abort(req_id, FinishReason.ERROR, error=f"engine failed: {exc}")
-        return self.engine.step()
+        self.engine.fail_all(f"engine failed: {exc}")
+        return self.engine.take_pending()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
