@@ -267,12 +267,11 @@ class Engine:
         rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
         if not rows or self.draft is None:
             return {}
-        tokens = None
-        propose_rows = []
-        for r in rows:
-            tokens = r.tokens
-            propose_rows.append(ProposeRow(r.slot, r.epoch, r.draft_len, tuple(tokens[r.draft_len:]),
-                                           plan.spec_tokens[r.req_id], self._sampling(r)))
+        propose_rows = [
+            ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
+                       self._sampling(r))
+            for r in rows
+        ]
         try:
             proposal: Proposal = self.draft.propose(propose_rows)
         except Exception:  # speculation is optional: run the step without drafts
@@ -294,7 +293,7 @@ class Engine:
             probs = torch.zeros((len(plan.rows), *some_q.shape), dtype=some_q.dtype)
         for i, r in enumerate(plan.rows):
             toks, q = drafts.get(r.req_id, ([], None))
-            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, tuple(r.tokens[r.target_len:]),
+            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len),
                                   tuple(toks), self._sampling(r)))
             if q is not None:
                 probs[i] = q

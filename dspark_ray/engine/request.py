@@ -87,6 +87,13 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_from(self, start: int) -> tuple[int, ...]:
+        """``tokens[start:]`` without building the whole list (it runs per row per step)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return tuple(self.output_token_ids[start - n:])
+        return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids)
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
