@@ -149,6 +149,16 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 5) -> None:
         pass
 
 
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
 def log_tail(path: Path, chars: int = 6000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]

@@ -51,6 +51,7 @@ from serve_fixtures import (  # noqa: F401 - serve_models, served are fixtures
     serve_models,
     served,
     slot_snapshot,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -82,14 +83,6 @@ def app(served: ServeRun, serve_models):
     finally:
         serve.delete(APP)
 
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 def stats(app_name: str) -> dict:

@@ -28,7 +28,7 @@ import pytest
 from ray import serve
 
 from dspark_ray.serve.app import build_app
-from serve_fixtures import ServeRun, serve_models, served, slot_snapshot  # noqa: F401 - fixtures
+from serve_fixtures import ServeRun, serve_models, served, slot_snapshot, wait_for  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -273,14 +273,6 @@ def test_bad_inputs_get_400_naming_the_field_and_take_no_slot(served, http, clie
 
 # -- disconnects and concurrency ---------------------------------------------------------------
 
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served, client):
