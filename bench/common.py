@@ -36,8 +36,11 @@ class Row:
         return self.output_tokens / self.seconds
 
 
-def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+def machine(device: str = "cpu") -> str:
+    where = f"{platform.machine()}, {torch.get_num_threads()} torch threads"
+    if torch.device(device).type == "cuda":
+        where = torch.cuda.get_device_name(torch.device(device))
+    return f"{where}, torch {torch.__version__}"
 
 
 def table(rows: list[Row], baseline: dict[int, Row]) -> str:
@@ -52,11 +55,11 @@ def table(rows: list[Row], baseline: dict[int, Row]) -> str:
     return "\n".join(lines)
 
 
-def save(name: str, rows: list[Row], markdown: str) -> None:
+def save(name: str, rows: list[Row], markdown: str, device: str = "cpu") -> None:
     OUT_DIR.mkdir(exist_ok=True)
     (OUT_DIR / f"{name}.md").write_text(markdown + "\n")
     data = [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]
-    (OUT_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), "rows": data}, indent=2))
+    (OUT_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(device), "rows": data}, indent=2))
 
 
 class Timer:

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/spec.py                 # shipped pair, batches 1 8 32
     .venv/bin/python bench/spec.py --batches 1 --max-tokens 128
+    python bench/spec.py --device cuda --no-transformers      # on a GPU box
 
 Every configuration generates a fixed number of tokens (ignore_eos) from
 held-out prompts, greedily. Batch 1 runs several prompts one after another;
@@ -64,24 +65,26 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's (bf16) on CUDA")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    base = LLM(str(TARGET), None, max_context=512, capacity=64, max_num_seqs=64)
-    spec = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, max_context=512, capacity=64,
-               max_num_seqs=64)
+    common = dict(max_context=512, capacity=64, max_num_seqs=64, device=args.device, dtype=args.dtype)
+    base = LLM(str(TARGET), None, **common)
+    spec = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)
     rows, baseline = [], {}
     for b in args.batches:
         repeats = args.repeats_at_1 if b == 1 else 1
         baseline[b] = run_dspark(base, b, repeats, args.max_tokens, "dspark_ray, no speculation")
         rows += [baseline[b], run_dspark(spec, b, repeats, args.max_tokens, f"dspark_ray, speculation k={args.k}")]
         print(table(rows[-2:], baseline).split("\n", 2)[2], flush=True)
-    if 1 in args.batches and not args.no_transformers:
+    if 1 in args.batches and not args.no_transformers and args.device == "cpu":
         rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
-    md = (f"Machine: {machine()}; {args.max_tokens} greedy tokens per request from held-out prompts.\n\n"
+    md = (f"Machine: {machine(args.device)}, dtype {args.dtype}; {args.max_tokens} greedy tokens per request from held-out prompts.\n\n"
           + table(rows, baseline))
     print("\n" + md)
-    save("spec", rows, md)
+    save("spec-cuda" if args.device != "cpu" else "spec", rows, md, args.device)
 
 
 if __name__ == "__main__":
