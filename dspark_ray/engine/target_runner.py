@@ -19,13 +19,26 @@ communication.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
 from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.slots import ReqToTokenTable
+
+
+# CUDA only. With a boolean mask, scaled_dot_product_attention's default backend choice paid a
+# large one-off cost for every new (batch, query, key) shape on an H200 (tens of ms per new shape
+# in a probe; the step's key length grows by one every decode step), so the target's attention is
+# pinned to the memory-efficient kernel (math as the fallback for what it cannot run), whose cost
+# does not depend on having seen the shape, and the key length is rounded up to a multiple of 64
+# (padding keys are masked) so shapes repeat and the mask needs no realignment copy.
+KEY_BUCKET = 64
+CUDA_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class StaleSlotState(RuntimeError):
@@ -87,6 +100,10 @@ class TargetRunner:
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.slot_epoch = [-1] * (capacity + 1)
+        # On CUDA: the attention's key length is rounded up and its backend pinned (see KEY_BUCKET).
+        cuda = self.device.type == "cuda"
+        self.key_bucket = KEY_BUCKET if cuda else 1
+        self.attention_backends = CUDA_ATTENTION_BACKENDS if cuda else None
 
     # -- service API -------------------------------------------------------
 
@@ -154,13 +171,19 @@ class TargetRunner:
             offset += n
         lengths = torch.tensor([r.start + n for r, n in zip(rows, counts)])
         L = int(lengths.max())
+        if self.key_bucket > 1:
+            # Keys padded to a bucket (masked off): shape-keyed GPU attention plans are reused
+            # instead of rebuilt at every new context length.
+            L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
         slots = torch.tensor([r.slot for r in rows])
         key_index = self.table.table[slots.to(dev), :L].long()  # [B, L]
         key_pos = torch.arange(L)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
         attention = PagedAttention(self.k_pools, self.v_pools, write_index.to(dev), key_index,
                                    mask[:, None].to(dev))
-        hidden = self.model.hidden_states(tokens.to(dev), positions.to(dev), attention)  # [B, T, H]
+        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
+        with backends:
+            hidden = self.model.hidden_states(tokens.to(dev), positions.to(dev), attention)  # [B, T, H]
         # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
         first = torch.tensor([len(r.token_ids) - 1 for r in rows])
         gather = (first[:, None] + torch.arange(K1)[None, :]).clamp(max=T - 1)  # [B, K+1]
