@@ -14,8 +14,10 @@ longest matching prefix of the proposals is accepted, then one more target token
 no caches. EOS does not stop generation (a fixed ``--new`` tokens per prompt).
 The output is checked to be identical to plain greedy decoding with the target.
 
-Also reports per-token cost of both models: parameters and FLOPs per token, and
-the measured forward time of one token at batch 1.
+Also reports how much stronger the target is (held-out loss and top-1 next-token
+accuracy of both models over every 256-token window of the held-out works, the
+draft with its serving window) and the per-token cost of both models: parameters
+and FLOPs per token, and the measured forward time of one token at batch 1.
 """
 
 from __future__ import annotations
@@ -56,6 +58,31 @@ def held_out_prompts(tokenizer_path: Path, n: int, lo: int, hi: int, seed: int) 
             start += 1
         prompts.append(doc[start:start + length])
     return prompts
+
+
+@torch.no_grad()
+def held_out_quality(model, tokenizer_path: Path, attention=None, bs: int = 16) -> dict:
+    """Loss (nats/token) and top-1 accuracy over the held-out works, as train_pair's validation."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    works = train_pair.read_works()
+    eos = tok.token_to_id(train_pair.EOS)
+    stream: list[int] = []
+    for name in sorted(train_pair.HELD_OUT):
+        stream += tok.encode(works[name]).ids + [eos]
+    rows = train_pair.val_windows(torch.tensor(stream))
+    loss, correct, count = 0.0, 0, 0
+    for i in range(0, len(rows), bs):
+        x = rows[i:i + bs]
+        logits = model(x[:, :-1], attention=attention).float()
+        target = x[:, 1:]
+        loss += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                  reduction="sum").item()
+        correct += int((logits.argmax(-1) == target).sum())
+        count += target.numel()
+    return {"loss_nats_per_token": round(loss / count, 4), "top1_accuracy": round(correct / count, 4),
+            "tokens": count, "windows": len(rows)}
 
 
 @torch.no_grad()
@@ -183,6 +210,15 @@ def main() -> None:
         ],
         "identical_to_target_greedy": lossless,
         "seconds": round(time.time() - t0, 1),
+    }
+    tq = held_out_quality(target, Path(args.target) / "tokenizer.json")
+    dq = held_out_quality(draft, Path(args.target) / "tokenizer.json", CausalAttention(sliding_window=args.window))
+    result["quality"] = {
+        "target": tq,
+        "draft_window": dq,
+        "loss_gap_nats": round(dq["loss_nats_per_token"] - tq["loss_nats_per_token"], 4),
+        "perplexity_ratio_draft_over_target": round(
+            float(torch.tensor(dq["loss_nats_per_token"] - tq["loss_nats_per_token"]).exp()), 3),
     }
     tc, dc = cost(target, 256), cost(draft, 256)
     times = forward_times({"target": target, "draft": draft})
