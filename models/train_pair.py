@@ -65,7 +65,7 @@ CHAT_TEMPLATE = (
 CTX = 256
 TARGET = dict(layers=8, steps=None, batch=None, lr=3e-3, warmup=None, min_lr_frac=0.1, wd=0.1)
 DRAFT = dict(layers=2, window=32, steps=None, batch=None, lr=1e-3, warmup=None, min_lr_frac=0.1, wd=0.0,
-             pool=512)
+             pool=1024)
 PROMPT = 128  # on-policy pool: natural train tokens before the target's greedy continuation
 
 
@@ -503,8 +503,8 @@ def stage_check(args) -> None:
         log(f"{d.name}: AutoTokenizer agrees with tokenizers; chat template ok")
 
 
-TARGET_STEPS, TARGET_BATCH = 600, 8
-DRAFT_STEPS, DRAFT_BATCH = 400, 16
+TARGET_STEPS, TARGET_BATCH = 2000, 8
+DRAFT_STEPS, DRAFT_BATCH = 600, 16
 
 
 def main() -> None:
