@@ -95,6 +95,23 @@ def test_greedy_equals_transformers(tiny_models: TinyModels, reference, draft, w
     assert_drained(engine, len(prompts))
 
 
+def test_padded_key_length_and_pinned_attention_backend(tiny_models: TinyModels, reference):
+    """The target's CUDA settings, run on CPU: key lengths rounded up to 64 (capped at the
+    context), masked padding keys and SDPA pinned to CUDA_ATTENTION_BACKENDS change no token."""
+    from dspark_ray.engine import target_runner
+
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=4,
+                         draft_window=MAX_CONTEXT, capacity=8, max_context=MAX_CONTEXT)
+    assert engine.target.key_bucket == 1 and engine.target.attention_backends is None  # CPU defaults
+    engine.target.key_bucket = 64  # < MAX_CONTEXT (96): rounds to 64, then caps at 96
+    engine.target.attention_backends = target_runner.CUDA_ATTENTION_BACKENDS
+    prompts = prompt_set()
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n], f"prompt of {len(prompt)} tokens, max_tokens {n}"
+    assert_drained(engine, len(prompts))
+
+
 def test_draft_with_a_wider_vocabulary(tiny_models: TinyModels, reference):
     """A draft whose embeddings are padded past the target's (and the tokenizer's) vocabulary.
 
