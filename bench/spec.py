@@ -81,8 +81,8 @@ def main() -> None:
         print(table(rows[-2:], baseline).split("\n", 2)[2], flush=True)
     if 1 in args.batches and not args.no_transformers and args.device == "cpu":
         rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
-    md = (f"Machine: {machine(args.device)}, dtype {args.dtype}; {args.max_tokens} greedy tokens per request from held-out prompts.\n\n"
-          + table(rows, baseline))
+    md = (f"Machine: {machine(args.device)}, dtype {args.dtype}; {args.max_tokens} greedy tokens per request "
+          f"from held-out prompts.\n\n" + table(rows, baseline))
     print("\n" + md)
     save("spec-cuda" if args.device != "cpu" else "spec", rows, md, args.device)
 

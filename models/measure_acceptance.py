@@ -60,29 +60,20 @@ def held_out_prompts(tokenizer_path: Path, n: int, lo: int, hi: int, seed: int) 
     return prompts
 
 
-@torch.no_grad()
-def held_out_quality(model, tokenizer_path: Path, attention=None, bs: int = 16) -> dict:
-    """Loss (nats/token) and top-1 accuracy over the held-out works, as train_pair's validation."""
+def held_out_windows(tokenizer_path: Path) -> torch.Tensor:
+    """Every CTX + 1-token window of the held-out works: train_pair's validation set."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
     works = train_pair.read_works()
-    eos = tok.token_to_id(train_pair.EOS)
-    stream: list[int] = []
-    for name in sorted(train_pair.HELD_OUT):
-        stream += tok.encode(works[name]).ids + [eos]
-    rows = train_pair.val_windows(torch.tensor(stream))
-    loss, correct, count = 0.0, 0, 0
-    for i in range(0, len(rows), bs):
-        x = rows[i:i + bs]
-        logits = model(x[:, :-1], attention=attention).float()
-        target = x[:, 1:]
-        loss += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                  reduction="sum").item()
-        correct += int((logits.argmax(-1) == target).sum())
-        count += target.numel()
-    return {"loss_nats_per_token": round(loss / count, 4), "top1_accuracy": round(correct / count, 4),
-            "tokens": count, "windows": len(rows)}
+    held_out = {name: works[name] for name in train_pair.HELD_OUT}
+    return train_pair.val_windows(train_pair.token_stream(tok, held_out))
+
+
+def quality(model, rows: torch.Tensor, attention=None) -> dict:
+    loss, top1 = train_pair.score(model, rows, attention)
+    return {"loss_nats_per_token": round(loss, 4), "top1_accuracy": round(top1, 4),
+            "tokens": rows[:, 1:].numel(), "windows": len(rows)}
 
 
 @torch.no_grad()
@@ -211,8 +202,9 @@ def main() -> None:
         "identical_to_target_greedy": lossless,
         "seconds": round(time.time() - t0, 1),
     }
-    tq = held_out_quality(target, Path(args.target) / "tokenizer.json")
-    dq = held_out_quality(draft, Path(args.target) / "tokenizer.json", CausalAttention(sliding_window=args.window))
+    rows = held_out_windows(Path(args.target) / "tokenizer.json")
+    tq = quality(target, rows)
+    dq = quality(draft, rows, CausalAttention(sliding_window=args.window))
     result["quality"] = {
         "target": tq,
         "draft_window": dq,

@@ -193,21 +193,21 @@ def stage_data(args) -> None:
         f"{len(val)} held out ({sum(map(len, val.values()))} chars): {', '.join(HELD_OUT)}")
     tok = build_tokenizer(list(train.values()))
     tok.save(str(WORK / "tokenizer.json"))
-    eos = tok.token_to_id(EOS)
-
-    def stream(texts: dict[str, str]) -> torch.Tensor:
-        ids: list[int] = []
-        for name in sorted(texts):
-            ids += tok.encode(texts[name]).ids + [eos]
-        return torch.tensor(ids, dtype=torch.int16)
-
-    tr, va = stream(train), stream(val)
+    tr, va = token_stream(tok, train), token_stream(tok, val)
     torch.save({"train": tr, "val": va, "val_docs": {k: tok.encode(v).ids for k, v in val.items()}},
                WORK / "tokens.pt")
     log(f"tokens: train {len(tr)}, val {len(va)}; "
         f"{sum(map(len, train.values())) / len(tr):.2f} chars/token")
     for d in (TARGET_DIR, DRAFT_DIR):
         tokenizer_files(d)
+
+
+def token_stream(tok, texts: dict[str, str]) -> torch.Tensor:
+    """The works in name order, each tokenized and followed by EOS, as one int16 stream."""
+    ids: list[int] = []
+    for name in sorted(texts):
+        ids += tok.encode(texts[name]).ids + [tok.token_to_id(EOS)]
+    return torch.tensor(ids, dtype=torch.int16)
 
 
 def load_tokens() -> dict:
@@ -269,16 +269,25 @@ def val_windows(val: torch.Tensor, limit: int | None = None) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: CausalLM, rows: torch.Tensor, attention=None, bs: int = 16) -> float:
+    """Mean next-token loss (nats/token) over ``rows`` of CTX + 1 tokens."""
+    return score(model, rows, attention, bs)[0]
+
+
+@torch.no_grad()
+def score(model: CausalLM, rows: torch.Tensor, attention=None, bs: int = 16) -> tuple[float, float]:
+    """(mean next-token loss in nats/token, top-1 next-token accuracy) over ``rows``."""
+    was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, correct, count = 0.0, 0, 0
     for i in range(0, len(rows), bs):
         x = rows[i:i + bs]
-        logits = model(x[:, :-1], attention=attention)
+        logits = model(x[:, :-1], attention=attention).float()
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                  reduction="sum").item()
+        correct += int((logits.argmax(-1) == x[:, 1:]).sum())
         count += x[:, 1:].numel()
-    model.train()
-    return total / count
+    model.train(was_training)
+    return total / count, correct / count
 
 
 class CacheAttention:
