@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_kernels import ops, reference
-from dspark_kernels.testing import interpreter_in_process, rerun_under_interpreter
+from dspark_kernels import ops
+from dspark_kernels.testing import interpreter_in_process, refuse_references, rerun_in_fresh_process
 
 IN_PROCESS = interpreter_in_process()
 
@@ -29,7 +29,7 @@ def rerun_file_if_needed(path: str):
         return None
 
     def test_file_under_interpreter():
-        rerun_under_interpreter(path)
+        rerun_in_fresh_process(path, interpret=True)
 
     return test_file_under_interpreter
 
@@ -39,10 +39,7 @@ def triton_only_fixture(name: str):
 
     @pytest.fixture
     def triton_only(monkeypatch):
-        def refuse(*args, **kwargs):
-            raise AssertionError("the Triton backend fell back to the reference")
-
-        monkeypatch.setattr(reference, name, refuse)
+        refuse_references(monkeypatch, name)
         with ops.use_backend("triton"):
             yield
 

@@ -14,14 +14,18 @@ the target distribution with a chi-square test.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dspark_kernels import ops, reference
-from dspark_kernels.testing import make_attention_case, make_rejection_case, make_ring_write_case
+from dspark_kernels.testing import (
+    make_attention_case,
+    make_rejection_case,
+    make_ring_write_case,
+    refuse_references,
+    rerun_in_fresh_process,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,10 +43,7 @@ REFERENCE = {
 if INTERPRETED:
 
     def test_file_compiled_in_a_fresh_process():
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+        rerun_in_fresh_process(__file__, interpret=False, timeout_s=900)
 
 
 @pytest.fixture(autouse=True)
@@ -55,11 +56,7 @@ def _compiled_only(request):
 def triton_only(monkeypatch):
     """Force the Triton backend; reaching any reference fails the test."""
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the Triton backend fell back to the reference")
-
-    for name in ("ring_write", "window_attention", "rejection_sample"):
-        monkeypatch.setattr(reference, name, refuse)
+    refuse_references(monkeypatch, "ring_write", "window_attention", "rejection_sample")
     with ops.use_backend("triton"):
         yield
 

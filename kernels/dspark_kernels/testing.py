@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_kernels import ops
+from dspark_kernels import ops, reference
 from dspark_kernels.reference import PAD_POSITION
 
 
@@ -25,7 +25,7 @@ def interpreter_in_process() -> bool:
 
     Test modules call this at import. When some earlier import already loaded
     triton for the compiler, the module reruns itself in a fresh process with
-    `rerun_under_interpreter` instead of silently testing the reference.
+    `rerun_in_fresh_process` instead of silently testing the reference.
     """
     try:
         ops.enable_interpreter()
@@ -34,14 +34,29 @@ def interpreter_in_process() -> bool:
     return True
 
 
-def rerun_under_interpreter(test_file: str, timeout_s: float = 600.0) -> None:
-    """Run one test file with pytest in a fresh TRITON_INTERPRET=1 process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def rerun_in_fresh_process(test_file: str, interpret: bool, timeout_s: float = 600.0) -> None:
+    """Run one test file with pytest in a fresh process, Triton's interpreter on or off.
+
+    On: the CPU suite, when triton was already imported for the compiler.
+    Off: the CUDA tests, when another module turned the interpreter on.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert result.returncode == 0, (
-        f"{test_file} failed under the interpreter:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
-    )
+    how = "under the interpreter" if interpret else "compiled"
+    assert result.returncode == 0, f"{test_file} failed {how}:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+
+
+def refuse_references(monkeypatch, *names: str) -> None:
+    """Make each named function of `reference` raise, so a silent fallback fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton backend fell back to the reference")
+
+    for name in names:
+        monkeypatch.setattr(reference, name, refuse)
 
 
 @dataclass(frozen=True)
