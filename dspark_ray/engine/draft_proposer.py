@@ -94,7 +94,7 @@ class DraftProposer:
         long = [i for i, r in enumerate(rows) if len(r.token_ids) > self.ring_chunk]
         for i in long:
             logits[i] = self._catch_up_long(rows[i])
-        short = [i for i in range(len(rows)) if i not in set(long)]
+        short = [i for i, r in enumerate(rows) if len(r.token_ids) <= self.ring_chunk]
         if short:
             out = self._ring_forward([rows[i].token_ids for i in short], [rows[i].start for i in short],
                                      slots[short])
@@ -143,6 +143,8 @@ class DraftProposer:
         k_max = max(r.num_draft for r in rows)
         sampling = [r.sampling for r in rows]
         next_pos = [r.start + len(r.token_ids) for r in rows]
+        next_pos_t = torch.tensor(next_pos, dtype=torch.int64, device=self.device)
+        num_draft = torch.tensor([r.num_draft for r in rows], dtype=torch.int64, device=self.device)
         drafts = torch.zeros((B, k_max), dtype=torch.int64, device=self.device)
         probs = None
         for i in range(k_max):
@@ -154,15 +156,15 @@ class DraftProposer:
                 probs[:, i] = q
             if i + 1 < k_max:
                 # The last draft token is never fed: the target verifies it.
-                feed = [[int(tokens[b])] if i + 1 < r.num_draft else [] for b, r in enumerate(rows)]
-                logits = self._ring_forward_padded(feed, [p + i for p in next_pos], slots)
+                logits = self._ring_forward_one(tokens, i + 1 < num_draft, next_pos_t + i, slots)
         out = drafts.tolist()
         return Proposal([out[b][:r.num_draft] for b, r in enumerate(rows)], probs)
 
-    def _ring_forward_padded(self, feed: list[list[int]], starts: list[int], slots: torch.Tensor) -> torch.Tensor:
-        """Like _ring_forward, but rows with nothing to feed are padding (write nothing)."""
-        ids = torch.tensor([f[0] if f else 0 for f in feed], dtype=torch.int64, device=self.device)[:, None]
-        pos = torch.tensor([s if f else -1 for f, s in zip(feed, starts)], dtype=torch.int64,
-                           device=self.device)[:, None]
+    def _ring_forward_one(self, tokens: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor,
+                          slots: torch.Tensor) -> torch.Tensor:
+        """One token per row through the ring ([B] each, on the device, no host sync); rows not
+        ``fed`` are padding (position -1: they write and read nothing). [B, V] logits."""
+        ids = torch.where(fed, tokens, 0)[:, None]
+        pos = torch.where(fed, positions, -1)[:, None]
         hidden = self.model.hidden_states(ids, pos, RingAttention(self.cache, slots, pos))
         return self._logits(hidden[:, 0])
