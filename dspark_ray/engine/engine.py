@@ -290,7 +290,7 @@ class Engine:
         rows, probs = [], None
         if any(q is not None for _, q in drafts.values()):
             some_q = next(q for _, q in drafts.values() if q is not None)
-            probs = torch.zeros((len(plan.rows), *some_q.shape), dtype=some_q.dtype)
+            probs = torch.zeros((len(plan.rows), *some_q.shape), dtype=some_q.dtype, device=some_q.device)
         for i, r in enumerate(plan.rows):
             toks, q = drafts.get(r.req_id, ([], None))
             rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len),
