@@ -42,6 +42,37 @@ def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftP
     return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit)
 
 
+class LocalServices:
+    """An engine's services in this process: a slot registry, the target runner, the draft proposer.
+
+    The serving layer's ``EngineServices`` without Ray, for tests of the HTTP
+    layer and for single-process use (``DSparkServer(config, services=LocalServices.build)``).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        tokenizer = Tokenizer.from_path(config.model)
+        self.vocab_limit = tokenizer.vocab_size
+        self.slots = SlotRegistry(config.capacity)
+        self.target = make_target_runner(config, self.vocab_limit)
+        self.draft = None
+        if config.draft and config.spec_tokens > 0:
+            check_compatible(tokenizer, Tokenizer.from_path(config.draft))
+            self.draft = make_draft_proposer(config, self.vocab_limit)
+
+    @classmethod
+    def build(cls, app_config, app_name: str = "", replica: str = "") -> LocalServices:
+        """A ``ServicesFactory``: from the deploy-level ``AppConfig``."""
+        return cls(app_config.engine_config())
+
+    def rebuild_target(self) -> TargetRunner:
+        self.target = make_target_runner(self.config, self.vocab_limit)
+        return self.target
+
+    def shutdown(self) -> None:
+        pass
+
+
 def build_local_engine(config: EngineConfig, owner: str = "local") -> Engine:
     tokenizer = Tokenizer.from_path(config.model)
     target = make_target_runner(config, tokenizer.vocab_size)

@@ -64,6 +64,7 @@ class _OpenAIRequest(SamplingFields):
     user: str | None = None
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: must be 0.")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: must be 0.")
+    repetition_penalty: float = Field(1.0, ge=1.0, le=1.0, description="vLLM extension; only 1.0 (neutral) so far.")
 
 
 class CompletionRequest(_OpenAIRequest):

@@ -1,9 +1,17 @@
 """DSparkServer: one Serve replica — the OpenAI HTTP routes, the handle API and one engine loop.
 
-The builder in ``dspark_ray.serve.app`` applies ``@serve.deployment`` and
-``@serve.ingress``; this class stays a plain class with FastAPI routes. Each
-replica starts its own target shards and draft worker and shares the
-application's slot manager with the other replicas.
+The builder in ``dspark_ray.serve.app`` applies ``@serve.deployment``; this
+class stays a plain class. Its FastAPI app is built per instance
+(``build_api``, which Serve calls through ``__serve_build_asgi_app__`` after
+the constructor), so the same routes can be served by Ray Serve or mounted
+directly on an ASGI transport in a test.
+
+The engine's services are injected: ``services`` is a factory
+``(AppConfig, app_name, replica) -> EngineServices``. The default starts this
+replica's target shards and draft worker on Ray and shares the application's
+slot manager with the other replicas (``start_replica_services``);
+``dspark_ray.engine.local.LocalServices.build`` runs everything in this
+process, with no cluster.
 """
 
 from __future__ import annotations
@@ -12,8 +20,8 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from ray import serve
@@ -21,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
+from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
 from dspark_ray.serve.actors import SlotServiceUnavailable, start_replica_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
@@ -39,7 +48,41 @@ from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-api = FastAPI(title="dspark_ray", description="Speculative-decoding LLM serving (OpenAI-compatible)")
+
+class EngineServices(Protocol):
+    """What one replica's engine runs on: a slot service, a target, maybe a draft."""
+
+    slots: SlotService
+    target: TargetService
+    draft: DraftService | None
+
+    def rebuild_target(self) -> TargetService:
+        """A fresh, empty target after the old one failed."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+ServicesFactory = Callable[[AppConfig, str, str], EngineServices]  # (config, app name, replica id)
+
+
+def ray_services(config: AppConfig, app_name: str, replica: str) -> EngineServices:
+    """The default: this replica's target shards and draft worker as Ray actors, the app's slot manager."""
+    return start_replica_services(
+        config.engine_config(), app_name=app_name, replica=replica,
+        tensor_parallel_size=config.tensor_parallel_size, placement_strategy=config.placement_strategy,
+        cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
+        slot_timeout_s=config.slot_admission_timeout_s,
+    )
+
+
+def _replica_identity() -> tuple[str, str]:
+    """(app name, replica id) inside a Serve replica; ("dspark", "local") outside one."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - RayServeException outside a replica
+        return "dspark", "local"
+    return ctx.replica_id.deployment_id.app_name or "dspark", ctx.replica_id.unique_id
 
 
 class APIError(Exception):
@@ -105,33 +148,41 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 class DSparkServer:
-    def __init__(self, config: dict | AppConfig) -> None:
+    def __init__(self, config: dict | AppConfig, services: ServicesFactory | None = None) -> None:
         self.config = config if isinstance(config, AppConfig) else AppConfig(**config)
         cfg = self.config
-        ctx = serve.get_replica_context()
-        app_name = ctx.replica_id.deployment_id.app_name or "dspark"
-        replica = ctx.replica_id.unique_id
+        app_name, replica = _replica_identity()
         engine_config = cfg.engine_config()
         self.tokenizer = Tokenizer.from_path(cfg.model)
-        self.services = start_replica_services(
-            engine_config, app_name=app_name, replica=replica,
-            tensor_parallel_size=cfg.tensor_parallel_size, placement_strategy=cfg.placement_strategy,
-            cpus_per_shard=cfg.cpus_per_shard, torch_threads=cfg.torch_threads,
-            slot_timeout_s=cfg.slot_admission_timeout_s,
-        )
-        s = self.services
+        self.services = s = (services or ray_services)(cfg, app_name, replica)
         engine = Engine(engine_config, self.tokenizer, s.slots, s.target, s.draft, owner=replica)
         self.loop = EngineLoop(engine, cfg.max_queued_requests, rebuild_target=s.rebuild_target,
                                metrics=ServingMetrics(engine, cfg.model_name, replica))
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
-    def __del__(self) -> None:
-        loop = getattr(self, "loop", None)
+    def build_api(self) -> FastAPI:
+        """This replica's HTTP routes as a FastAPI app (Serve mounts it; tests can too)."""
+        api = FastAPI(title="dspark_ray", description="Speculative-decoding LLM serving (OpenAI-compatible)")
+        api.get("/health")(self.health)
+        api.get("/v1/models")(self.models)
+        api.post("/v1/completions")(self.completions)
+        api.post("/v1/chat/completions")(self.chat_completions)
+        return api
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.build_api()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop and the services (idempotent)."""
+        loop, self.loop = getattr(self, "loop", None), None
         if loop is not None:
             loop.shutdown()
-        services = getattr(self, "services", None)
+        services, self.services = getattr(self, "services", None), None
         if services is not None:
             services.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead engine loop gets the replica replaced."""
@@ -140,13 +191,11 @@ class DSparkServer:
 
     # -- HTTP ----------------------------------------------------------------
 
-    @api.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         if not self.loop.alive:
             return JSONResponse({"status": "unhealthy", "error": repr(self.loop.error)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         try:
             self._authorize(request)
@@ -155,7 +204,6 @@ class DSparkServer:
         return JSONResponse({"object": "list", "data": [
             {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "dspark_ray"}]})
 
-    @api.post("/v1/completions")
     async def completions(self, request: Request):
         try:
             req = await self._parse(request, CompletionRequest)
@@ -165,7 +213,6 @@ class DSparkServer:
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return _api_error(exc).response()
 
-    @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
             req = await self._parse(request, ChatCompletionRequest)
@@ -321,7 +368,5 @@ def _usage(out: RequestOutput) -> Usage:
                  total_tokens=out.num_prompt_tokens + out.num_output_tokens)
 
 
-# Applied where ``api`` lives, so that every process importing this module (the
-# replicas unpickling the deployment included) turns the methods above into
-# class-based routes.
-DSparkIngress = serve.ingress(api)(DSparkServer)
+# The app is late-bound: Serve calls ``__serve_build_asgi_app__`` on each replica after the constructor.
+DSparkIngress = serve.ingress()(DSparkServer)

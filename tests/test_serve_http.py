@@ -1,0 +1,93 @@
+"""The HTTP layer against an in-process engine: no Ray cluster, no Serve.
+
+``DSparkServer`` takes its engine services by injection; here they are
+``LocalServices`` (slot registry, target runner and draft proposer in this
+process) and the FastAPI app from ``build_api`` is driven through httpx's ASGI
+transport. The same routes run under real Serve in ``test_serve_app.py``;
+these tests check the HTTP contract quickly and must agree with the offline
+engine token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from dspark_ray.engine.local import LocalServices, build_local_engine
+from dspark_ray.engine.sampling_params import SamplingParams
+from dspark_ray.serve.config import AppConfig
+from dspark_ray.serve.server import DSparkServer
+from serve_fixtures import serve_models  # noqa: F401 - fixture
+
+PROMPT = "ROMEO:\nBut soft, what light"
+
+
+@pytest.fixture(scope="module")
+def server(serve_models):
+    config = AppConfig(model=str(serve_models.target), draft=str(serve_models.draft), tensor_parallel_size=1,
+                       capacity=8, max_context=256)
+    srv = DSparkServer(config, services=LocalServices.build)
+    yield srv
+    srv.shutdown()
+
+
+def call(server: DSparkServer, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    """One request through the server's ASGI app, on a fresh event loop."""
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=server.build_api())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, json=body)
+
+    return asyncio.run(go())
+
+
+def test_completion_equals_the_offline_engine(server, serve_models):
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    r = call(server, "POST", "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    engine = build_local_engine(server.config.engine_config())
+    req_id = engine.add_request(PROMPT, SamplingParams(max_tokens=24))
+    ids = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.req_id == req_id
+            ids += out.new_token_ids
+    assert choice["text"] == engine.tokenizer.decode(ids)
+    assert r.json()["usage"]["completion_tokens"] == 24
+
+
+def test_streamed_deltas_concatenate_to_the_whole(server, serve_models):
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    whole = call(server, "POST", "/v1/completions", body).json()["choices"][0]["text"]
+    r = call(server, "POST", "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
+    assert chunks[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_vllm_benchmark_client_neutral_fields_are_accepted(server, serve_models):
+    """vLLM's `bench serve` sends these in every completions request."""
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 8, "repetition_penalty": 1.0,
+            "logprobs": None, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    r = call(server, "POST", "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_bad_input_is_a_400_and_takes_no_slot(server, serve_models):
+    before = server.services.slots.snapshot()
+    r = call(server, "POST", "/v1/completions", {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+    after = server.services.slots.snapshot()
+    assert after.live == before.live == ()
+    assert after.free == after.capacity
+    assert call(server, "GET", "/health").json() == {"status": "ok"}
