@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dspark_ray.engine import Engine, RequestOutput, SamplingParams
 from dspark_ray.engine.interfaces import TargetService
 from dspark_ray.serve.metrics import ServingMetrics
+from dspark_ray.serve.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class EngineLoop:
         self.metrics = metrics or ServingMetrics.for_engine(engine)
         self.max_queued_requests = max_queued_requests
         self.idle_wait_s = idle_wait_s
+        self.timeline = StepTimeline()
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -132,6 +134,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop:
+                loop_start = time.perf_counter()
                 while self._inbox:
                     self._inbox.popleft()()
                 self._maintain()
@@ -139,18 +142,32 @@ class EngineLoop:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
+                t0 = time.perf_counter()
+                steps = self.engine.counters.steps
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # the engine broke: fail everything in flight, keep serving
                     log.exception("engine step failed")
                     outputs = self._fail_all(exc)
+                t1 = time.perf_counter()
                 self._deliver(outputs)
+                t2 = time.perf_counter()
                 self.metrics.after_step(outputs, self.num_waiting())
+                if self.engine.counters.steps != steps:
+                    self._record_step(loop_start, t0, t1, t2)
         except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
             self.error = exc
             log.exception("engine loop died")
             for loop, queue in self._streams.values():
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDead(str(exc)))
+
+    def _record_step(self, loop_start: float, t0: float, t1: float, t2: float) -> None:
+        timings, timeline = self.engine.timings, self.timeline
+        timeline.add("step", t1 - t0)
+        for phase in ("schedule", "propose", "verify", "commit"):
+            timeline.add(phase, getattr(timings, phase))
+        timeline.add("deliver", t2 - t1)
+        timeline.add("loop", time.perf_counter() - loop_start)
 
     def _maintain(self) -> None:
         """Between steps: the slot heartbeat, and a target rebuild after a failure."""

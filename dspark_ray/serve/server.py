@@ -76,6 +76,12 @@ def ray_services(config: AppConfig, app_name: str, replica: str) -> EngineServic
     )
 
 
+def services_timeline(services: EngineServices) -> dict:
+    """The services' own phases (transport vs compute), where they keep a timeline."""
+    timeline = getattr(services, "timeline", None)
+    return timeline.snapshot() if timeline is not None else {}
+
+
 def _replica_identity() -> tuple[str, str]:
     """(app name, replica id) inside a Serve replica; ("dspark", "local") outside one."""
     try:
@@ -167,6 +173,7 @@ class DSparkServer:
         api.get("/v1/models")(self.models)
         api.post("/v1/completions")(self.completions)
         api.post("/v1/chat/completions")(self.chat_completions)
+        api.get("/stats")(self.stats_route)
         return api
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -233,6 +240,14 @@ class DSparkServer:
         except Exception as exc:  # noqa: BLE001
             return _api_error(exc).response()
 
+    async def stats_route(self, request: Request) -> JSONResponse:
+        """``GET /stats``: this replica's ``stats()`` (the API key applies)."""
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return err.response()
+        return JSONResponse(await self.stats())
+
     # -- handle API ------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
@@ -266,6 +281,8 @@ class DSparkServer:
             "finished": dict(engine.counters.finished),
             "steps": engine.counters.steps,
             "draft_failures": engine.counters.draft_failures,
+            # Cumulative seconds per phase (dspark_ray.serve.timeline): diff two reads for ms per step.
+            "timeline": {**self.loop.timeline.snapshot(), **services_timeline(self.services)},
         }
 
     # -- helpers -----------------------------------------------------------------

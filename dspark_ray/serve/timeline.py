@@ -1,0 +1,64 @@
+"""StepTimeline: where the served path's time goes, phase by phase (plain Python).
+
+Cumulative seconds and counts per phase, kept by the engine thread and read
+by ``DSparkServer.stats()`` (``GET /stats``, the handle's ``stats``). A
+benchmark takes a snapshot before and after a load and divides the
+difference by the number of steps: ms per step for each phase.
+
+Phases (per engine step unless noted):
+
+- ``step``           the whole ``Engine.step`` call
+- ``schedule``       scheduling and slot leases (the slot manager is called only on admissions)
+- ``propose``        the draft call as the engine sees it
+- ``verify``         the target call as the engine sees it
+- ``commit``         appending tokens, stop checks, releases
+- ``deliver``        handing the step's outputs to the waiting streams (asyncio queues)
+- ``loop``           one pass of the engine loop: inbox, maintenance, step, deliver, metrics
+- ``draft.compute``  time inside the draft worker's ``propose``
+- ``draft.transport``  ``propose`` as seen by the engine minus the worker's own time
+- ``target.compute`` time inside the target shards' ``step`` (the slowest rank)
+- ``target.collective``  of that, time in all-reduces (rank 0)
+- ``target.transport``   ``verify`` minus the slowest rank's own time
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class PhaseTotal:
+    seconds: float = 0.0
+    count: int = 0
+
+
+class StepTimeline:
+    """Thread-safe accumulator of per-phase seconds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._phases: dict[str, PhaseTotal] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            total = self._phases.setdefault(phase, PhaseTotal())
+            total.seconds += seconds
+            total.count += 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{phase: {"seconds": total, "count": n}}`` since start."""
+        with self._lock:
+            return {name: {"seconds": t.seconds, "count": t.count} for name, t in self._phases.items()}
+
+
+def per_step_ms(before: dict, after: dict) -> dict[str, float]:
+    """Milliseconds per engine step for every phase between two snapshots (``step`` counts the steps)."""
+    steps = after.get("step", {}).get("count", 0) - before.get("step", {}).get("count", 0)
+    if steps <= 0:
+        return {}
+    out = {}
+    for name, total in after.items():
+        seconds = total["seconds"] - before.get(name, {}).get("seconds", 0.0)
+        out[name] = 1000.0 * seconds / steps
+    return out
