@@ -5,27 +5,26 @@ torch.distributed group among them: gloo on CPU, NCCL on CUDA) and one
 ``DraftWorker``; per application: the slot manager (``dspark_ray.slots``).
 The facades (``RayTarget``, ``RayDraft``, ``RaySlots``) give the engine the
 same ``TargetService``/``DraftService``/``SlotService`` methods it uses in
-process, so the engine does not know it is distributed.
+process, so the engine does not know it is distributed. The workers
+themselves are in ``workers.py``; per step, the facades talk to them through
+``channel.py`` (one persistent connection each), not through Ray calls.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
-from dspark_ray.model.tp import CollectiveTimer
-from dspark_ray.serve.group import join_group, rendezvous_address
-from dspark_ray.serve.metrics import ShardMetrics
+from dspark_ray.serve.channel import Channel, ChannelError, encode, gather, new_key
+from dspark_ray.serve.timeline import StepTimeline
+from dspark_ray.serve.workers import DraftWorker, TargetShard
 from dspark_ray.slots import SlotLease, SlotsExhausted, SlotsRecovering, SyncResult, start_slot_manager
-from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,87 +37,111 @@ class SlotServiceUnavailable(RuntimeError):
     """The slot manager did not answer within the admission timeout."""
 
 
-class TargetShard:
-    """Rank ``rank`` of the target: its shard of the weights, its KV pool, its table."""
-
-    def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int,
-                 replica: str = "") -> None:
-        torch.set_num_threads(torch_threads)
-        self.config, self.rank, self.world_size = config, rank, world_size
-        self.runner = None
-        self.collectives = CollectiveTimer()
-        self.metrics = ShardMetrics(Path(config.model).name, replica or "local", rank)
-
-    def address(self) -> tuple[str, int]:
-        """The group's rendezvous address (called on rank 0)."""
-        return rendezvous_address()
-
-    def setup(self, master_addr: str, master_port: int) -> int:
-        """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity."""
-        from dspark_ray.engine.local import make_target_runner
-        from dspark_ray.model.tp import TensorParallel
-
-        cfg = self.config
-        tp = None
-        if self.world_size > 1:
-            join_group(cfg.device, master_addr, master_port, self.rank, self.world_size)
-            tp = TensorParallel(self.rank, self.world_size, timer=self.collectives)
-        self.runner = make_target_runner(cfg, Tokenizer.from_path(cfg.model).vocab_size, tp)
-        return self.runner.kv_capacity()
-
-    def step(self, batch: TargetStep) -> VerifyResult:
-        start = time.perf_counter()
-        result = self.runner.step(batch)
-        self.metrics.observe(time.perf_counter() - start, self.collectives.take())
-        return result
-
-    def release(self, slots: list[int]) -> None:
-        self.runner.release(slots)
-
-    def kv_free(self) -> int:
-        return self.runner.kv_free()
+class DraftUnavailable(RuntimeError):
+    """The draft worker is down or restarting; the engine runs this step without speculation."""
 
 
-class DraftWorker:
-    """The draft model, its window cache and kernels."""
-
-    def __init__(self, config: EngineConfig, torch_threads: int) -> None:
-        from dspark_ray.engine.local import make_draft_proposer
-
-        torch.set_num_threads(torch_threads)
-        self.proposer = make_draft_proposer(config, Tokenizer.from_path(config.model).vocab_size)
-
-    def propose(self, rows: list[ProposeRow]) -> Proposal:
-        return self.proposer.propose(rows)
+def open_channel(actor, name: str, timeout_s: float) -> Channel:
+    """Ask ``actor`` to listen (Ray call, once) and connect to it."""
+    key = new_key()
+    address = ray.get(actor.open_channel.remote(key), timeout=timeout_s)
+    return Channel(address, key, name)
 
 
 class RayTarget:
-    """TargetService over all ranks: one step goes to every rank at once."""
+    """TargetService over all ranks: each step is sent to every rank's channel at once.
 
-    def __init__(self, shards: list, kv_capacity: int) -> None:
-        self.shards = shards
+    The step is pickled once and the same bytes go to every rank; replies are
+    read as they arrive, and the first failure fails the step.
+    """
+
+    def __init__(self, shards: list, kv_capacity: int, channels: list[Channel], call_timeout_s: float,
+                 timeline: StepTimeline | None = None) -> None:
+        self.shards, self.channels = shards, channels
         self._kv_capacity = kv_capacity
+        self.call_timeout_s = call_timeout_s
+        self.timeline = timeline
 
     def kv_capacity(self) -> int:
         return self._kv_capacity
 
     def step(self, batch: TargetStep) -> VerifyResult:
-        ref = ray.put(batch)
-        results = ray.get([s.step.remote(ref) for s in self.shards])
+        start = time.perf_counter()
+        replies = self._call_all(encode("step", batch))
+        results = [result for (result, _), _ in replies]
         if any(r != results[0] for r in results[1:]):
             raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
+        if self.timeline is not None:
+            compute = max(seconds for _, seconds in replies)
+            self.timeline.add("target.compute", compute)
+            self.timeline.add("target.collective", replies[0][0][1])
+            self.timeline.add("target.transport", time.perf_counter() - start - compute)
         return results[0]
 
     def release(self, slots: list[int]) -> None:
-        ray.get([s.release.remote(slots) for s in self.shards])
+        self._call_all(encode("release", slots))
+
+    def _call_all(self, payload: bytes) -> list[tuple[object, float]]:
+        for channel in self.channels:
+            channel.send_bytes(payload)
+        return gather(self.channels, self.call_timeout_s)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
 
 
 class RayDraft:
-    def __init__(self, worker) -> None:
+    """DraftService over the draft worker's channel.
+
+    When the worker dies (Ray restarts it: ``max_restarts=-1``), ``propose``
+    raises ``DraftUnavailable`` at once and keeps raising, without blocking
+    the step, until the restarted worker has answered a new ``open_channel``.
+    """
+
+    def __init__(self, worker, call_timeout_s: float, timeline: StepTimeline | None = None) -> None:
         self.worker = worker
+        self.call_timeout_s = call_timeout_s
+        self.timeline = timeline
+        self._key = new_key()
+        self._channel: Channel | None = None
+        self._opening = None  # ObjectRef of a pending open_channel call
+        self._connect(block=True)
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
-        return ray.get(self.worker.propose.remote(rows))
+        if self._channel is None and not self._connect(block=False):
+            raise DraftUnavailable("the draft worker is restarting")
+        start = time.perf_counter()
+        try:
+            proposal, compute = self._channel.call("propose", rows, timeout_s=self.call_timeout_s)
+        except ChannelError:
+            self._channel.close()
+            self._channel = None
+            raise
+        if self.timeline is not None:
+            self.timeline.add("draft.compute", compute)
+            self.timeline.add("draft.transport", time.perf_counter() - start - compute)
+        return proposal
+
+    def _connect(self, block: bool) -> bool:
+        """Open the channel; without ``block`` only if the worker already answered. True when open."""
+        if self._opening is None:
+            self._opening = self.worker.open_channel.remote(self._key)
+        ready, _ = ray.wait([self._opening], timeout=self.call_timeout_s if block else 0)
+        if not ready:
+            return False
+        opening, self._opening = self._opening, None
+        try:
+            address = ray.get(opening)
+            self._channel = Channel(address, self._key, "draft worker")
+        except (ray.exceptions.RayError, ChannelError) as exc:
+            log.warning("draft worker not reachable yet: %r", exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
 
 
 class RaySlots:
@@ -178,8 +201,11 @@ class ReplicaServices:
         cpus_per_shard: float,
         torch_threads: int,
         slot_timeout_s: float,
+        call_timeout_s: float = 120.0,
     ) -> None:
         self.config, self.replica = config, replica
+        self.call_timeout_s = call_timeout_s
+        self.timeline = StepTimeline()  # transport vs compute of every step (GET /stats)
         self.tensor_parallel_size = tensor_parallel_size
         self.cpus_per_shard, self.torch_threads = cpus_per_shard, torch_threads
         self._gpu = 1 if config.device == "cuda" else 0
@@ -196,7 +222,7 @@ class ReplicaServices:
                 **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
                 max_restarts=-1, max_task_retries=0,
             ).remote(config, torch_threads)
-            self.draft = RayDraft(self.draft_worker)
+            self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline)
         self.slot_manager = _slot_manager_with_capacity(config.capacity, app_name)
         self.slots = RaySlots(self.slot_manager, slot_timeout_s)
 
@@ -218,10 +244,12 @@ class ReplicaServices:
         ]
         addr, port = ray.get(self.shards[0].address.remote())
         capacities = ray.get([s.setup.remote(addr, port) for s in self.shards])
-        return RayTarget(self.shards, min(capacities))
+        channels = [open_channel(s, f"target rank {r}", self.call_timeout_s) for r, s in enumerate(self.shards)]
+        return RayTarget(self.shards, min(capacities), channels, self.call_timeout_s, self.timeline)
 
     def rebuild_target(self) -> RayTarget:
         """Replace every target shard with a fresh one (empty KV, a new group)."""
+        self.target.close()
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
         self._wait_until_gone(self.shards)
@@ -241,6 +269,9 @@ class ReplicaServices:
                 time.sleep(0.1)
 
     def shutdown(self) -> None:
+        self.target.close()
+        if self.draft is not None:
+            self.draft.close()
         for actor in [*self.shards, self.draft_worker]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
@@ -286,3 +317,13 @@ def start_replica_services(config: EngineConfig, **kwargs) -> ReplicaServices:
     Keyword arguments are those of ``ReplicaServices``.
     """
     return ReplicaServices(config, **kwargs)
+
+
+def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
+    """The server's default services factory: from the deploy-level ``AppConfig``."""
+    return start_replica_services(
+        config.engine_config(), app_name=app_name, replica=replica,
+        tensor_parallel_size=config.tensor_parallel_size, placement_strategy=config.placement_strategy,
+        cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
+        slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
+    )

@@ -64,6 +64,10 @@ class AppConfig(BaseModel):
     slot_admission_timeout_s: float = Field(
         30.0, gt=0, description="How long admissions wait for the slot manager during an outage."
     )
+    worker_call_timeout_s: float = Field(
+        120.0, gt=0, description="Deadline for one step's call to a target shard or the draft worker; a worker "
+        "that has not answered by then is treated as failed (the target is rebuilt, the draft skipped).",
+    )
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted HTTP request body.")
     api_key: str | None = Field(
         None, description="If set, the OpenAI routes require `Authorization: Bearer <api_key>`."

@@ -9,7 +9,7 @@ directly on an ASGI transport in a test.
 The engine's services are injected: ``services`` is a factory
 ``(AppConfig, app_name, replica) -> EngineServices``. The default starts this
 replica's target shards and draft worker on Ray and shares the application's
-slot manager with the other replicas (``start_replica_services``);
+slot manager with the other replicas (``actors.ray_services``);
 ``dspark_ray.engine.local.LocalServices.build`` runs everything in this
 process, with no cluster.
 """
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
-from dspark_ray.serve.actors import SlotServiceUnavailable, start_replica_services
+from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
 from dspark_ray.serve.metrics import ServingMetrics
@@ -64,16 +64,6 @@ class EngineServices(Protocol):
 
 
 ServicesFactory = Callable[[AppConfig, str, str], EngineServices]  # (config, app name, replica id)
-
-
-def ray_services(config: AppConfig, app_name: str, replica: str) -> EngineServices:
-    """The default: this replica's target shards and draft worker as Ray actors, the app's slot manager."""
-    return start_replica_services(
-        config.engine_config(), app_name=app_name, replica=replica,
-        tensor_parallel_size=config.tensor_parallel_size, placement_strategy=config.placement_strategy,
-        cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
-        slot_timeout_s=config.slot_admission_timeout_s,
-    )
 
 
 def services_timeline(services: EngineServices) -> dict:

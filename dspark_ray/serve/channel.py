@@ -1,0 +1,195 @@
+"""Channel: the per-step path between a replica's engine and one worker actor.
+
+Why not a Ray actor call per step: a plain call goes through task
+submission, the raylet-free direct-call gRPC path and several thread hops in
+both processes, ~1 ms idle and far more when the replica, the proxy, the
+draft worker and the shards share a few cores (on the 2-core development box
+a step's two calls cost ~30 ms of a 46 ms step). The workers stay Ray actors
+(placed by the replica's placement group, named, restarted, killed by Ray);
+only the hot path moves: after start-up the replica opens one persistent
+connection to each worker, and each step is one pickled message each way.
+vLLM's Ray executor does the same (a persistent loop per worker fed through
+shared memory or ZMQ); here it is ``multiprocessing.connection`` over TCP on
+the worker node's IP, which works within a box and across boxes alike.
+
+Security: the worker listens only on its node's IP and accepts a
+connection only after an HMAC challenge with a per-connection random key that
+the replica handed over through Ray (so nobody else can push pickles into a
+worker). Keep the cluster network private all the same (runbooks/security.md).
+
+Worker side: ``ChannelServer(handler)`` serves ``handler.<method>(*args)``
+on a background thread, one call at a time, replying
+``(ok, value, seconds_inside)``. Client side: ``Channel.call`` or
+``send`` + ``receive``; every wait has a deadline. A worker that died shows
+up as ``ChannelClosed`` at once (its socket closes); one that hangs as
+``ChannelTimeout``. Both are ``ChannelError``: the caller treats them as a
+failed worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import secrets
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Client, Connection, Listener, wait
+
+log = logging.getLogger(__name__)
+
+_OK, _ERROR = 0, 1
+
+
+class ChannelError(RuntimeError):
+    """The worker behind a channel is gone or not answering: treat it as failed."""
+
+
+class ChannelClosed(ChannelError):
+    """The connection broke (the worker process died or closed it)."""
+
+
+class ChannelTimeout(ChannelError):
+    """No reply within the deadline (a hung worker, a wedged collective, an unreachable box)."""
+
+
+class RemoteError(RuntimeError):
+    """The worker's method raised; ``remote_traceback`` is its traceback text (logged, not shown to clients)."""
+
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(32)
+
+
+class ChannelServer:
+    """Serves calls to ``handler`` from one client at a time on a daemon thread.
+
+    ``lock`` (optional) is held around every call, so a worker that also
+    answers Ray method calls on its main thread can keep its state consistent.
+    """
+
+    def __init__(self, handler: object, host: str, authkey: bytes, lock: threading.Lock | None = None) -> None:
+        self.handler = handler
+        self.lock = lock or threading.Lock()
+        self._closed = False
+        self._listener = Listener((host, 0), authkey=authkey, backlog=4)
+        self.address: tuple[str, int] = self._listener.address
+        self._thread = threading.Thread(target=self._serve, name="dspark-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except Exception as exc:  # noqa: BLE001 - closed, or a client failed the challenge
+                if not self._closed:
+                    log.warning("channel: refused a connection: %r", exc)
+                continue
+            with conn:
+                self._serve_connection(conn)
+
+    def _serve_connection(self, conn: Connection) -> None:
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                return
+            start = time.perf_counter()
+            try:
+                with self.lock:
+                    value = getattr(self.handler, method)(*args)
+                reply = (_OK, value, time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
+                reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()),
+                         time.perf_counter() - start)
+            try:
+                conn.send(reply)
+            except (OSError, pickle.PicklingError) as exc:
+                log.warning("channel reply failed: %r", exc)
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+
+class Channel:
+    """The client end: one worker, one call in flight at a time."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, name: str) -> None:
+        self.name = name
+        try:
+            self._conn = Client(address, authkey=authkey)
+        except (OSError, EOFError) as exc:
+            raise ChannelClosed(f"{name}: cannot connect to {address}: {exc}") from exc
+
+    def send_bytes(self, payload: bytes) -> None:
+        """Send an already pickled ``(method, args)`` (``encode``): one pickling for many ranks."""
+        try:
+            self._conn.send_bytes(payload)
+        except OSError as exc:
+            raise ChannelClosed(f"{self.name}: send failed: {exc}") from exc
+
+    def send(self, method: str, *args) -> None:
+        self.send_bytes(encode(method, *args))
+
+    def receive(self, timeout_s: float):
+        """The reply to the last send: ``(value, seconds the worker spent)``. Raises ChannelError or RemoteError."""
+        try:
+            if not self._conn.poll(timeout_s):
+                raise ChannelTimeout(f"{self.name}: no reply within {timeout_s:.1f}s")
+            tag, value, seconds = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise ChannelClosed(f"{self.name}: connection lost: {exc!r}") from exc
+        if tag == _ERROR:
+            message, remote_tb = value
+            raise RemoteError(f"{self.name}: {message}", remote_tb)
+        return value, seconds
+
+    def call(self, method: str, *args, timeout_s: float):
+        self.send(method, *args)
+        return self.receive(timeout_s)
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    def ready(self) -> bool:
+        return self._conn.poll(0)
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+def encode(method: str, *args) -> bytes:
+    return pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def gather(channels: Sequence[Channel], timeout_s: float) -> list[tuple[object, float]]:
+    """Replies from every channel, in order; fails as soon as any one fails (never waits on the rest).
+
+    Under tensor parallelism a dead rank leaves the others blocked in a
+    collective; reading whichever reply arrives first means the failure is
+    seen at once rather than after the survivors' collective times out.
+    """
+    deadline = time.monotonic() + timeout_s
+    replies: dict[int, tuple[object, float]] = {}
+    by_conn = {ch._conn: i for i, ch in enumerate(channels)}  # noqa: SLF001
+    while len(replies) < len(channels):
+        left = deadline - time.monotonic()
+        pending = [c for c, i in by_conn.items() if i not in replies]
+        ready = wait(pending, timeout=max(0.0, left))
+        if not ready:
+            slow = [channels[by_conn[c]].name for c in pending]
+            raise ChannelTimeout(f"no reply within {timeout_s:.1f}s from {', '.join(slow)}")
+        for conn in ready:
+            i = by_conn[conn]
+            replies[i] = channels[i].receive(0)
+    return [replies[i] for i in range(len(channels))]
