@@ -1,0 +1,128 @@
+"""The per-step channel between a replica and its workers (dspark_ray.serve.channel).
+
+Real sockets and real processes: a worker that raises, hangs, dies, or is
+reached with the wrong key.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from dspark_ray.serve.channel import (
+    Channel,
+    ChannelClosed,
+    ChannelServer,
+    ChannelTimeout,
+    RemoteError,
+    encode,
+    gather,
+    new_key,
+)
+
+
+class Handler:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        self.calls += 1
+        return a + b
+
+    def fail(self) -> None:
+        raise ValueError("bad slot 7")
+
+    def sleep(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "woke"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture
+def served():
+    key = new_key()
+    server = ChannelServer(Handler(), "127.0.0.1", key)
+    yield server, key
+    server.close()
+
+
+def test_call_returns_the_value_and_the_time_inside(served):
+    server, key = served
+    ch = Channel(server.address, key, "w")
+    value, seconds = ch.call("add", 2, 3, timeout_s=5)
+    assert value == 5 and 0 <= seconds < 1
+    value, seconds = ch.call("sleep", 0.05, timeout_s=5)
+    assert value == "woke" and seconds >= 0.05
+    ch.close()
+
+
+def test_a_remote_exception_is_raised_with_its_message_and_the_worker_keeps_serving(served):
+    server, key = served
+    ch = Channel(server.address, key, "w")
+    with pytest.raises(RemoteError, match="ValueError: bad slot 7") as info:
+        ch.call("fail", timeout_s=5)
+    assert "Traceback" in info.value.remote_traceback
+    assert ch.call("add", 1, 1, timeout_s=5)[0] == 2
+    ch.close()
+
+
+def test_wrong_key_is_refused_and_the_right_client_still_connects(served):
+    server, key = served
+    with pytest.raises(Exception):  # noqa: B017 - AuthenticationError or a closed connection
+        Channel(server.address, new_key(), "intruder").call("add", 1, 2, timeout_s=2)
+    ch = Channel(server.address, key, "w")
+    assert ch.call("add", 20, 22, timeout_s=5)[0] == 42
+    assert server.handler.calls == 1  # the intruder's call never ran
+    ch.close()
+
+
+def test_a_hung_worker_times_out(served):
+    server, key = served
+    ch = Channel(server.address, key, "w")
+    start = time.monotonic()
+    with pytest.raises(ChannelTimeout, match="no reply within 0.2s"):
+        ch.call("sleep", 2.0, timeout_s=0.2)
+    assert time.monotonic() - start < 1.5
+    ch.close()
+
+
+def _worker(key: bytes, queue) -> None:
+    server = ChannelServer(Handler(), "127.0.0.1", key)
+    queue.put(server.address)
+    threading.Event().wait()
+
+
+def _start_worker(key: bytes):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(key, queue), daemon=True)
+    proc.start()
+    return proc, queue.get(timeout=60)
+
+
+def test_a_killed_worker_fails_the_gather_at_once_while_another_hangs():
+    """Tensor parallel: one rank dies, the other is stuck (in a collective); the step fails now."""
+    key = new_key()
+    dying, address = _start_worker(key)
+    hung = ChannelServer(Handler(), "127.0.0.1", key)
+    try:
+        a, b = Channel(address, key, "rank 1"), Channel(hung.address, key, "rank 0")
+        assert a.call("pid", timeout_s=5)[0] == dying.pid
+        b.send_bytes(encode("sleep", 3.0))
+        a.send_bytes(encode("sleep", 3.0))
+        time.sleep(0.2)
+        os.kill(dying.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ChannelClosed, match="rank 1"):
+            gather([b, a], timeout_s=10)
+        assert time.monotonic() - start < 1.5
+    finally:
+        hung.close()
+        dying.kill()
