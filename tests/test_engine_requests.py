@@ -176,7 +176,7 @@ def test_streaming_deltas_concatenate_to_the_final_text(tiny_models):
 
 
 BAD_PARAMS = [
-    ("max_tokens", dict(max_tokens=0)), ("max_tokens", dict(max_tokens=-3)), ("max_tokens", dict(max_tokens=2.5)),
+    ("max_tokens", dict(max_tokens=-3)), ("max_tokens", dict(max_tokens=2.5)),
     ("max_tokens", dict(max_tokens=True)), ("max_tokens", dict(max_tokens="5")),
     ("temperature", dict(temperature=-0.5)), ("temperature", dict(temperature=2.5)),
     ("temperature", dict(temperature=math.nan)), ("temperature", dict(temperature="hot")),
@@ -189,6 +189,13 @@ BAD_PARAMS = [
     ("stop_token_ids", dict(stop_token_ids=[-1])), ("stop_token_ids", dict(stop_token_ids=["a"])),
     ("num_speculative_tokens", dict(num_speculative_tokens=-1)),
     ("num_speculative_tokens", dict(num_speculative_tokens=1.5)),
+    ("logprobs", dict(logprobs=21)), ("logprobs", dict(logprobs=-1)), ("prompt_logprobs", dict(prompt_logprobs=99)),
+    ("logit_bias", dict(logit_bias={5: 101})), ("logit_bias", dict(logit_bias={-1: 1})),
+    ("logit_bias", dict(logit_bias={"x": 1})),
+    ("min_tokens", dict(min_tokens=5, max_tokens=4)), ("min_tokens", dict(min_tokens=-1)),
+    ("presence_penalty", dict(presence_penalty=2.5)), ("frequency_penalty", dict(frequency_penalty=-3)),
+    ("repetition_penalty", dict(repetition_penalty=0)), ("min_p", dict(min_p=1.5)),
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)),
 ]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from dspark_kernels import ops
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
+from dspark_ray.engine.logits_rules import apply_rules, needs_rules
 from dspark_ray.engine.verifier import mask_vocab, sample_draft_tokens
 from dspark_ray.model.llama import CausalAttention, CausalLM
 from dspark_ray.slots import DraftWindowCache
@@ -147,7 +148,10 @@ class DraftProposer:
         num_draft = torch.tensor([r.num_draft for r in rows], dtype=torch.int64, device=self.device)
         drafts = torch.zeros((B, k_max), dtype=torch.int64, device=self.device)
         probs = None
+        rules = needs_rules(sampling)
         for i in range(k_max):
+            if rules:  # the target's rules, so that drafts follow the distribution they are verified against
+                logits = apply_rules(logits[:, None], sampling, drafts[:, :i].tolist(), offset=i)[:, 0]
             tokens, q = sample_draft_tokens(logits, sampling, [p + i for p in next_pos])
             drafts[:, i] = tokens
             if q is not None:

@@ -39,6 +39,7 @@ from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.detokenizer import OutputText
 from dspark_ray.engine.interfaces import (
     DraftService,
+    LogitsRules,
     Proposal,
     ProposeRow,
     SamplingRow,
@@ -48,7 +49,7 @@ from dspark_ray.engine.interfaces import (
     VerifyResult,
     VerifyRow,
 )
-from dspark_ray.engine.outputs import RequestOutput, SpecSummary
+from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
 from dspark_ray.engine.request import FinishReason, Request, Status
 from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -128,24 +129,38 @@ class Engine:
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.requests:
             raise InvalidRequest("request_id", f"{req_id!r} is already in flight")
-        ids = self._prompt_ids(prompt)
-        if len(ids) + params.max_tokens > self.config.max_context:
-            raise InvalidRequest(
-                "max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.config.max_context} tokens; lower max_tokens or shorten the prompt",
-            )
+        ids = self.check(prompt, params)
         k = self.max_spec_tokens if params.speculative else 0
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
         req = Request(req_id=req_id, prompt_token_ids=ids, params=params, seed=seed, num_spec_tokens=k)
         self.requests[req_id] = req
-        self._texts[req_id] = OutputText(self.tokenizer, params.stop, params.skip_special_tokens)
+        self._texts[req_id] = OutputText(self.tokenizer, params.stop, params.skip_special_tokens,
+                                         params.include_stop_str_in_output)
         self.scheduler.add(req)
         return req_id
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def check(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids (truncated as asked) if this engine can run the request.
+
+        Changes nothing; raises InvalidRequest naming the field. ``add_request``
+        calls it, and a caller submitting several requests at once can call it
+        for all of them first, so that a bad one leaves none behind.
+        """
+        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
+        if len(ids) + params.max_tokens > self.config.max_context:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.config.max_context} tokens; lower max_tokens or shorten the prompt",
+            )
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest("logit_bias", f"token ids must be in [0, {vocab})")
+        return ids
+
+    def _prompt_ids(self, prompt: str | Sequence[int], truncate: int | None = None) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
@@ -155,6 +170,8 @@ class Engine:
                 raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
         if not ids:
             raise InvalidRequest("prompt", "the prompt is empty")
+        if truncate is not None:
+            ids = ids[-truncate:]  # the prompt's end is kept, as vLLM does
         if len(ids) >= self.config.max_context:
             raise InvalidRequest(
                 "prompt",
@@ -260,7 +277,20 @@ class Engine:
 
     def _sampling(self, req: Request) -> SamplingRow:
         p = req.params
-        return SamplingRow(p.temperature, p.top_p, p.top_k, req.seed)
+        return SamplingRow(p.temperature, p.top_p, p.top_k, req.seed, p.min_p, self._rules(req))
+
+    def _rules(self, req: Request) -> LogitsRules | None:
+        """The request's logits rules with its history (see LogitsRules); None if it has none."""
+        p = req.params
+        if not p.has_rules:
+            return None
+        stop_ids = ()
+        if p.min_tokens and len(req.output_token_ids) < p.min_tokens:
+            eos = () if p.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
+            stop_ids = eos + p.stop_token_ids
+        prompt_ids = tuple(sorted(set(req.prompt_token_ids))) if p.repetition_penalty != 1.0 else ()
+        return LogitsRules(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
+                           p.min_tokens, stop_ids, prompt_ids, tuple(req.output_token_ids))
 
     def _run_speculation(self, plan: StepPlan) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens (and their q rows) per request id; empty when nothing speculates."""
@@ -293,8 +323,10 @@ class Engine:
             probs = torch.zeros((len(plan.rows), *some_q.shape), dtype=some_q.dtype, device=some_q.device)
         for i, r in enumerate(plan.rows):
             toks, q = drafts.get(r.req_id, ([], None))
+            # The prompt is scored when it is first fed (not again after a preemption's recompute).
+            score_prompt = r.params.prompt_logprobs if r.target_len == 0 and r.prompt_logprobs is None else None
             rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len),
-                                  tuple(toks), self._sampling(r)))
+                                  tuple(toks), self._sampling(r), r.params.logprobs, score_prompt))
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []
@@ -313,17 +345,29 @@ class Engine:
 
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []
-        for r, accepted, emitted in zip(plan.rows, result.num_accepted, result.emitted):
+        for i, (r, accepted, emitted) in enumerate(zip(plan.rows, result.num_accepted, result.emitted)):
             k = len(drafts.get(r.req_id, ((), None))[0])
             old_len = r.num_tokens
             r.target_len = old_len + accepted
             if k:
                 r.draft_len = old_len + min(accepted, k - 1)
             r.spec.record(k, accepted)
-            outputs.append(self._append_tokens(r, emitted))
+            if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                r.prompt_logprobs = result.prompt_logprobs[i]
+            logprobs = result.logprobs[i] if result.logprobs is not None else None
+            if r.params.max_tokens == 0:  # the prompt was scored; nothing is generated
+                outputs.append(self._end_unsampled(r))
+            else:
+                outputs.append(self._append_tokens(r, emitted, logprobs))
         return outputs
 
-    def _append_tokens(self, req: Request, emitted: list[int]) -> RequestOutput:
+    def _end_unsampled(self, req: Request) -> RequestOutput:
+        self.scheduler.remove(req)
+        self._finish(req, FinishReason.LENGTH)
+        return self._output(req, [], "", [] if req.params.logprobs is not None else None)
+
+    def _append_tokens(self, req: Request, emitted: list[int], logprobs: list[TokenLogprob] | None = None
+                       ) -> RequestOutput:
         """Append tokens one by one until a stop condition; returns this step's output.
 
         Stop strings are checked after every token, like the other conditions,
@@ -337,7 +381,7 @@ class Engine:
             new.append(tok)
             req.output_token_ids.append(tok)
             if params.stop:
-                piece, stop = text.push([tok])
+                piece, stop = text.push([tok], check_stop=len(req.output_token_ids) >= params.min_tokens)
                 new_text += piece
                 if stop is not None:
                     reason, detail, cut = FinishReason.STOP, stop, True
@@ -359,7 +403,7 @@ class Engine:
                 new_text += text.finish()
             self.scheduler.remove(req)
             self._finish(req, reason, detail)
-        return self._output(req, new, new_text)
+        return self._output(req, new, new_text, None if logprobs is None else logprobs[:len(new)])
 
     # -- endings ---------------------------------------------------------------
 
@@ -384,8 +428,12 @@ class Engine:
             except Exception:  # noqa: BLE001 - a broken target is rebuilt empty; its KV is moot
                 log.exception("target release failed")
 
-    def _output(self, req: Request, new: list[int], new_text: str) -> RequestOutput:
+    def _output(self, req: Request, new: list[int], new_text: str,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         s = req.spec
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             req_id=req.req_id,
             new_token_ids=new,
@@ -398,4 +446,6 @@ class Engine:
             error=req.error,
             spec=SpecSummary(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_position),
                              s.mean_acceptance_length) if req.finished else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

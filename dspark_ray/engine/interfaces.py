@@ -19,7 +19,30 @@ from typing import Protocol
 
 import torch
 
+from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.slots import SlotLease, SyncResult
+
+
+@dataclass(frozen=True)
+class LogitsRules:
+    """A request's logits rules and the history they depend on, sent with each step's row.
+
+    The history travels with the row (it is the request's own output so far),
+    so no service keeps per-request penalty state: a preempted, rescheduled or
+    restarted request gets exactly the same rules, on every tensor-parallel
+    rank and in the draft. At the row's j-th scored position the history is
+    ``output_ids`` plus the row's first j draft tokens (a position only counts
+    if those drafts were accepted).
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # ruled out while fewer than min_tokens tokens are out (EOS, stop ids)
+    prompt_ids: tuple[int, ...] = ()  # distinct prompt ids; sent only with a repetition penalty
+    output_ids: tuple[int, ...] = ()  # the request's output so far
 
 
 @dataclass(frozen=True)
@@ -30,6 +53,8 @@ class SamplingRow:
     top_p: float
     top_k: int
     seed: int
+    min_p: float = 0.0
+    rules: LogitsRules | None = None  # None: the logits are used as the model gives them
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +102,8 @@ class VerifyRow:
     token_ids: tuple[int, ...]
     draft_token_ids: tuple[int, ...]
     sampling: SamplingRow
+    logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
+    prompt_logprobs: int | None = None  # also for token_ids[1:] (and token_ids[0] is unscored)
 
 
 @dataclass(frozen=True)
@@ -91,6 +118,10 @@ class TargetStep:
 class VerifyResult:
     num_accepted: list[int]  # per row: draft tokens accepted
     emitted: list[list[int]]  # per row: accepted drafts, then the recovered or bonus token
+    # Per row, when it asked: one entry per emitted token, from the target's raw logits.
+    logprobs: list[list[TokenLogprob] | None] | None = None
+    # Per row, when it asked: one per token_ids entry, None for the first.
+    prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
 
 
 class SlotService(Protocol):

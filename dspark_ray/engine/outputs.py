@@ -15,6 +15,16 @@ class SpecSummary:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities under the target: the token's own and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One request's progress after a step. ``new_*`` is what this step added."""
 
@@ -28,6 +38,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
     spec: SpecSummary | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    # The prompt's, on the request's first output when asked for: None for the first prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -42,3 +55,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     error: str | None = None  # why, when finish_reason is 'error'
     spec: SpecSummary | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the output tokens' log-probabilities (None unless logprobs were asked for)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)

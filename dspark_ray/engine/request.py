@@ -15,6 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.sampling_params import SamplingParams
 
 
@@ -82,6 +83,9 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Set once the target scored the prompt (params.prompt_logprobs), handed out with the next output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def tokens(self) -> list[int]:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# The most log-probabilities per position a request may ask for (vLLM's default limit).
+MAX_LOGPROBS = 20
+
+
 class InvalidRequest(ValueError):
     """A request parameter is out of range. ``field`` names the offending input."""
 
@@ -22,6 +26,23 @@ class SamplingParams:
     same seed, prompt and params give the same tokens whatever else is in the
     batch. ``speculative`` turns speculation off for this request;
     ``num_speculative_tokens`` lowers its k below the engine's maximum.
+
+    Logits rules, with vLLM's meanings, shape the distribution the request
+    samples from (the target's at every verified position and the draft's the
+    same way, so speculation stays lossless): ``repetition_penalty`` (> 1
+    discourages every token of the prompt and output so far), ``presence_penalty``
+    and ``frequency_penalty`` (subtracted once, or once per occurrence, for
+    tokens of the output so far), ``logit_bias`` (token id -> added logit,
+    within [-100, 100]), ``min_tokens`` (EOS and stop tokens are ruled out
+    until that many tokens are out), ``min_p`` (tokens below min_p times the
+    most likely one's probability are dropped when sampling).
+
+    ``logprobs = N`` reports, per output token, its log-probability under the
+    target and the N most likely alternatives; ``prompt_logprobs = N`` does the
+    same for the prompt (the first token has none). Both are the target
+    model's raw distribution (before temperature and the rules above), as
+    vLLM reports by default. ``max_tokens = 0`` generates nothing: with
+    ``prompt_logprobs`` it scores the prompt.
     """
 
     max_tokens: int = 16
@@ -35,6 +56,16 @@ class SamplingParams:
     speculative: bool = True
     num_speculative_tokens: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,8 +77,9 @@ class SamplingParams:
             raise InvalidRequest("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise InvalidRequest("max_tokens", f"must be an integer >= 0 (0 only scores the prompt), "
+                                               f"got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise InvalidRequest("temperature", f"must be a number in [0, 2] (0 is greedy), got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -65,10 +97,53 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or k < 0):
             raise InvalidRequest("num_speculative_tokens", f"must be an integer >= 0, got {k!r}")
+        self._check_rules()
+        self._check_logprobs()
+
+    def _check_rules(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest("logit_bias", "must map token ids to numbers") from exc
+        object.__setattr__(self, "logit_bias", bias)
+        if any(t < 0 for t, _ in bias):
+            raise InvalidRequest("logit_bias", "token ids must be >= 0")
+        if any(not -100.0 <= b <= 100.0 for _, b in bias):
+            raise InvalidRequest("logit_bias", "bias values must be in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
+            raise InvalidRequest("repetition_penalty", f"must be a number > 0 (1 is neutral), "
+                                                       f"got {self.repetition_penalty!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequest("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"min_tokens ({self.min_tokens}) is above max_tokens "
+                                               f"({self.max_tokens}); lower it or raise max_tokens")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or t < 1):
+            raise InvalidRequest("truncate_prompt_tokens", f"must be an integer >= 1, got {t!r}")
+
+    def _check_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise InvalidRequest(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_rules(self) -> bool:
+        """Whether any logits rule (penalty, bias, min_tokens) is set; min_p is a sampling setting."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 def _is_int(x: object) -> bool:

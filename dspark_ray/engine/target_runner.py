@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
+from dspark_ray.engine.logits_rules import apply_rules, needs_rules
+from dspark_ray.engine.logprobs import token_logprobs
+from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.slots import ReqToTokenTable
@@ -130,11 +133,25 @@ class TargetRunner:
         self._bind(rows)
         counts = [len(r.token_ids) + len(r.draft_token_ids) for r in rows]
         indices = self.table.append([r.slot for r in rows], counts)
-        logits = self._forward(rows, counts, indices)  # [B, K+1, V]
+        logits, prompt_logits = self._forward(rows, counts, indices)  # [B, K+1, V], per row [n-1, V]
         emitted, accepted = self._verify(rows, logits, batch.draft_probs)
         kept = [r.start + len(r.token_ids) + a for r, a in zip(rows, accepted)]
         self.table.truncate([r.slot for r in rows], kept)
-        return VerifyResult(num_accepted=accepted, emitted=emitted)
+        logprobs = prompt_logprobs = None
+        if any(r.logprobs is not None for r in rows):
+            logprobs = [None if r.logprobs is None else token_logprobs(logits[b, :len(e)], e, r.logprobs)
+                        for b, (r, e) in enumerate(zip(rows, emitted))]
+        if prompt_logits:
+            prompt_logprobs = [self._prompt_logprobs(r, prompt_logits.get(b)) for b, r in enumerate(rows)]
+        return VerifyResult(num_accepted=accepted, emitted=emitted, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(row: VerifyRow, logits: torch.Tensor | None) -> list[TokenLogprob | None] | None:
+        """token_ids[1:] scored by the logits before each ([n-1, V]); token_ids[0] has none here."""
+        if logits is None:
+            return None
+        return [None, *token_logprobs(logits, list(row.token_ids[1:]), row.prompt_logprobs)]
 
     # -- steps ---------------------------------------------------------------
 
@@ -151,7 +168,10 @@ class TargetRunner:
                     f"slot {r.slot} (epoch {r.epoch}) holds {held} KV positions but the step starts at {r.start}"
                 )
 
-    def _forward(self, rows: list[VerifyRow], counts: list[int], indices: torch.Tensor) -> torch.Tensor:
+    def _forward(self, rows: list[VerifyRow], counts: list[int],
+                 indices: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits at each row's last k+1 entries [B, K+1, V], and for rows asking for prompt
+        log-probabilities the logits before each of their fed tokens (row b -> [n_b - 1, V])."""
         B, T = len(rows), max(counts)
         K1 = self.max_spec_tokens + 1
         dev = self.device
@@ -188,7 +208,11 @@ class TargetRunner:
         first = torch.tensor([len(r.token_ids) - 1 for r in rows])
         gather = (first[:, None] + torch.arange(K1)[None, :]).clamp(max=T - 1)  # [B, K+1]
         picked = hidden[torch.arange(B)[:, None], gather.to(dev)]  # [B, K+1, H]
-        return mask_vocab(self.model.logits(picked), self.vocab_limit)
+        prompt_logits = {
+            b: mask_vocab(self.model.logits(hidden[b, :len(r.token_ids) - 1]), self.vocab_limit)
+            for b, r in enumerate(rows) if r.prompt_logprobs is not None
+        }
+        return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits
 
     def _verify(self, rows: list[VerifyRow], logits: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
@@ -200,8 +224,11 @@ class TargetRunner:
         first_positions = [r.start + len(r.token_ids) for r in rows]
         if draft_probs is not None:
             draft_probs = fit_vocab(draft_probs.to(self.device, torch.float32), logits.shape[-1])
+        sampling = [r.sampling for r in rows]
+        if needs_rules(sampling):  # on a copy: reported log-probabilities are the raw ones
+            logits = apply_rules(logits.clone(), sampling, [r.draft_token_ids for r in rows])
         out, accepted = verify(logits, drafts.to(self.device), num_draft.to(self.device), draft_probs,
-                               [r.sampling for r in rows], first_positions)
+                               sampling, first_positions)
         out, accepted = out.tolist(), accepted.tolist()
         emitted = [row[: a + 1] for row, a in zip(out, accepted)]
         return emitted, accepted
