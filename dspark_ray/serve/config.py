@@ -40,7 +40,7 @@ class AppConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="The name clients put in `model`; defaults to the target folder's name."
     )
-    tensor_parallel_size: int = Field(2, ge=1, le=64, description="Target shards (one Ray actor each).")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target shards (one Ray actor each).")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="Most draft tokens verified per step (k).")
     draft_window: int = Field(32, ge=1, description="Positions the draft attends to (its ring cache size minus k).")
     capacity: int = Field(64, ge=1, description="Request slots shared by all replicas of the application.")
