@@ -1,10 +1,17 @@
 """Request and response types: the OpenAI HTTP schema and the Ray-handle API.
 
-OpenAI requests forbid unknown fields, so an unsupported option is a 400 that
-names it rather than being silently ignored. dspark extensions (``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``seed``, ``speculative``,
-``num_speculative_tokens``) are accepted as extra body fields; responses
-carry speculation statistics in the extension field ``speculation``.
+Fields mean what they mean to OpenAI and to vLLM's OpenAI server, vLLM's
+sampling extensions included (``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``,
+``truncate_prompt_tokens``). Unknown fields are forbidden, so an unsupported
+option is a 400 that names it rather than being silently ignored; a field
+accepted only at its neutral value (``suffix``, ``tools``,
+``spaces_between_special_tokens``...) says so in its 400. dspark extensions:
+``speculative`` and ``num_speculative_tokens``; responses carry speculation
+statistics in the extension field ``speculation``.
+
+Log-probabilities are at most ``MAX_LOGPROBS`` (20) per position.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dspark_ray.engine import SamplingParams
-from dspark_ray.engine.outputs import SpecSummary
+from dspark_ray.engine import InvalidRequest, SamplingParams
+from dspark_ray.engine.outputs import SpecSummary, TokenLogprob
+from dspark_ray.engine.sampling_params import MAX_LOGPROBS
 
 
 class SamplingFields(BaseModel):
@@ -27,62 +35,118 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate (default 16).")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="dspark extension: 0 disables top-k.")
+    top_k: int = Field(0, ge=-1, description="vLLM extension: 0 or -1 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension: drop tokens below min_p x the top one.")
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
-    stop_token_ids: list[int] | None = Field(None, description="dspark extension.")
-    ignore_eos: bool = Field(False, description="dspark extension.")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end the output.")
+    ignore_eos: bool = Field(False, description="vLLM extension: keep going past EOS.")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: no EOS or stop before this many tokens.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from tokens already output.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extension: > 1 discourages prompt and "
+                                                               "output tokens; 1 is neutral.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text.")
+    spaces_between_special_tokens: Literal[True] = Field(
+        True, description="vLLM extension; only true (the default) is supported.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string.")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM extension: keep the prompt's last N.")
     speculative: bool = Field(True, description="dspark extension: turn speculation off for this request.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="dspark extension: this request's k.")
 
-    def sampling_params(self, default_max_tokens: int = 16) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int = 16, **extra) -> SamplingParams:
+        """The engine's SamplingParams; ``extra`` sets fields such as logprobs (raises InvalidRequest)."""
         stop = self.stop if isinstance(self.stop, list) else ([self.stop] if self.stop else [])
-        return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            speculative=self.speculative,
-            num_speculative_tokens=self.num_speculative_tokens,
-        )
+        return SamplingParams(**{
+            "max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": max(0, self.top_k),
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": _bias(self.logit_bias),
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "speculative": self.speculative,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            **extra,
+        })
+
+
+def _bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequest("logit_bias", f"keys must be token ids, got {key!r}") from None
+    return out
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: usage in every chunk.")
 
 
 class _OpenAIRequest(SamplingFields):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(1, ge=1, description="Choices per prompt, each an independent request (at most the slot "
+                                        "capacity); a seeded request's choice i uses seed + i.")
     user: str | None = None
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: must be 0.")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: must be 0.")
-    repetition_penalty: float = Field(1.0, ge=1.0, le=1.0, description="vLLM extension; only 1.0 (neutral) so far.")
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[int] | list[str] = Field(..., description="A string, token ids, or a one-string list.")
-    echo: Literal[False] = False
-    logprobs: None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="A string, a list of strings, token ids, or a list of token-id lists.")
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate (default 16); 0 with echo scores "
+                                                           "the prompt without generating.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs if asked).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Log-probabilities of each token and "
+                                                                          "this many most likely alternatives.")
+    best_of: int | None = Field(None, ge=1, description="Generate this many per prompt, return the n with the "
+                                                        "highest cumulative log-probability (not with stream).")
+    suffix: str | None = Field(None, description="Not supported: only null or empty.")
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: batches of prompts are not supported; send one request per prompt")
+    def _check(self) -> CompletionRequest:
+        if self.prompt == []:
+            raise ValueError("prompt: the list of prompts is empty")
+        if self.suffix:
+            raise ValueError("suffix: not supported (insertion needs a fill-in-the-middle model)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 only with echo, to score the prompt)")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of: must be >= n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of: cannot be above n when streaming")
         return self
 
-    def prompt_input(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """Every prompt in the request: one string or token-id list each."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def params(self, default_max_tokens: int = 16) -> SamplingParams:
+        lp = self.logprobs
+        if self.best_of is not None and self.best_of > self.n and lp is None:
+            lp = 0  # ranking needs each choice's cumulative log-probability
+        return self.sampling_params(default_max_tokens, logprobs=lp,
+                                    prompt_logprobs=self.logprobs if self.echo else None)
 
 
 class ChatMessage(BaseModel):
@@ -104,13 +168,32 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: Literal[False] = False
+    logprobs: bool | None = Field(False, description="Log-probabilities of each output token.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per position "
+                                                                               "(needs logprobs: true).")
     max_completion_tokens: int | None = Field(None, ge=1)
+    echo: bool = Field(False, description="vLLM extension: prepend the last message's content when it is the "
+                                          "assistant's.")
+    tools: list[dict] | None = Field(None, description="Not supported: only null or empty.")
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="Only none/auto (no tools are served).")
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = Field(None, description="Only {'type': 'text'} is supported.")
 
-    def sampling_params(self, default_max_tokens: int = 16) -> SamplingParams:
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def params(self, default_max_tokens: int = 16) -> SamplingParams:
+        req = self
         if self.max_tokens is None and self.max_completion_tokens is not None:
-            return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling_params()
-        return super().sampling_params(default_max_tokens)
+            req = self.model_copy(update={"max_tokens": self.max_completion_tokens})
+        return req.sampling_params(default_max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 class Speculation(BaseModel):
@@ -151,6 +234,14 @@ class GenerateRequest(SamplingFields):
     prompt_token_ids: list[int] | None = None
     request_id: str | None = None
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 (default here) is greedy.")
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate (default 16); 0 with "
+                                                           "prompt_logprobs scores the prompt.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Per output token: its "
+                                                                          "log-probability and this many top ones.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt.")
+
+    def params(self) -> SamplingParams:
+        return self.sampling_params(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -159,14 +250,70 @@ class GenerateRequest(SamplingFields):
         return self
 
 
+class Logprob(BaseModel):
+    """One position's log-probabilities under the target model."""
+
+    token_id: int
+    logprob: float
+    rank: int = Field(description="1 = the most likely token.")
+    top: list[tuple[int, float]] = Field(default_factory=list, description="(token id, logprob), most likely first.")
+
+    @classmethod
+    def of(cls, lp: TokenLogprob | None) -> Logprob | None:
+        return None if lp is None else cls(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=list(lp.top))
+
+
 class GenerateChunk(BaseModel):
     """One streamed piece of a generation; the last has ``finished`` set."""
 
     request_id: str
     text: str
     token_ids: list[int]
+    logprobs: list[Logprob] | None = Field(None, description="One per token id, when asked for.")
+    prompt_logprobs: list[Logprob | None] | None = Field(None, description="On the first chunk, when asked for; "
+                                                                           "the first prompt token has none.")
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
     usage: Usage | None = None
     speculation: Speculation | None = None
+
+
+# -- log-probabilities in OpenAI's shapes --------------------------------------------
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[TokenLogprob | None], token_text, offset: int = 0
+) -> dict:
+    """The completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset.
+
+    ``entries``: one per token id, None for an unscored one (the first prompt
+    token); ``token_text``: token id -> its text; ``offset``: the text offset
+    of the first token (text offsets count the token texts before it).
+    """
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, lp in zip(token_ids, entries, strict=True):
+        text = token_text(token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if lp is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(lp.logprob)
+        top = {token_text(t): v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)  # the chosen token is always listed, as vLLM does
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text) -> dict:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(lp.token_id, lp.logprob), "top_logprobs": [item(t, v) for t, v in lp.top]}
+                        for lp in entries]}

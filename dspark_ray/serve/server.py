@@ -34,16 +34,19 @@ from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
 from dspark_ray.serve.metrics import ServingMetrics
+from dspark_ray.serve.choices import Choice, ChoiceStreams, fan_out
 from dspark_ray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateChunk,
     GenerateRequest,
+    Logprob,
     Speculation,
     Usage,
     new_id,
     now,
 )
+from dspark_ray.serve.responses import ChatView, CompletionView
 from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -204,9 +207,14 @@ class DSparkServer:
     async def completions(self, request: Request):
         try:
             req = await self._parse(request, CompletionRequest)
-            prompt = req.prompt_input()
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            return await self._respond(req, ids, req.sampling_params(), new_id("cmpl"), chat=False)
+            params = req.params()
+            runs = self._check_fan_out("best_of" if req.best_of else "n", req.best_of or req.n)
+            prompts = [self._check_prompt(p, params) for p in req.prompt_inputs()]
+            req_id = new_id("cmpl")
+            choices = fan_out([ids for ids, _ in prompts], params, runs, req_id)
+            view = CompletionView(self._token_text, [t for _, t in prompts] if req.echo else None,
+                                  req.logprobs is not None)
+            return await self._respond(req, req_id, choices, view, keep=req.n)
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return _api_error(exc).response()
 
@@ -220,13 +228,18 @@ class DSparkServer:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             room = max(1, self.config.max_context - len(ids))
-            params = req.sampling_params(default_max_tokens=room)
+            params = req.params(default_max_tokens=room)
+            runs = self._check_fan_out("n", req.n)
             try:
-                return await self._respond(req, ids, params, new_id("chatcmpl"), chat=True)
+                ids = self.loop.engine.check(ids, params)
             except InvalidRequest as exc:  # the engine's "prompt" is the rendered messages here
                 if exc.field != "prompt":
                     raise
                 raise APIError(400, f"messages: {exc.message}", param="messages") from exc
+            echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+            view = ChatView(self._token_text, echo, bool(req.logprobs))
+            req_id = new_id("chatcmpl")
+            return await self._respond(req, req_id, fan_out([ids], params, runs, req_id), view, keep=req.n)
         except Exception as exc:  # noqa: BLE001
             return _api_error(exc).response()
 
@@ -245,21 +258,27 @@ class DSparkServer:
         req = request if isinstance(request, GenerateRequest) else GenerateRequest(**request)
         prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
         req_id = req.request_id or new_id("gen")
-        async for out in self.loop.generate(prompt, req.sampling_params(), req_id):
+        async for out in self.loop.generate(prompt, req.params(), req_id):
             yield GenerateChunk(
                 request_id=req_id, text=out.new_text, token_ids=out.new_token_ids, finished=out.finished,
                 finish_reason=out.finish_reason, error=out.error,
                 usage=_usage(out) if out.finished else None, speculation=Speculation.of(out.spec),
+                logprobs=None if out.logprobs is None else [Logprob.of(lp) for lp in out.logprobs],
+                prompt_logprobs=(None if out.prompt_logprobs is None
+                                 else [Logprob.of(lp) for lp in out.prompt_logprobs]),
             )
 
     async def complete(self, request: GenerateRequest | dict) -> GenerateChunk:
         """The whole generation in one response: ``handle.complete.remote(GenerateRequest(...))``."""
-        text, ids, last = [], [], None
+        text, ids, logprobs, prompt_logprobs, last = [], [], [], None, None
         async for chunk in self.generate(request):
             text.append(chunk.text)
             ids += chunk.token_ids
+            logprobs += chunk.logprobs or []
+            prompt_logprobs = chunk.prompt_logprobs or prompt_logprobs
             last = chunk
-        return last.model_copy(update={"text": "".join(text), "token_ids": ids})
+        return last.model_copy(update={"text": "".join(text), "token_ids": ids, "prompt_logprobs": prompt_logprobs,
+                                       "logprobs": logprobs if last.logprobs is not None else None})
 
     async def stats(self) -> dict:
         """Replica state for operators and tests: engine counters, KV pool, queue lengths."""
@@ -312,62 +331,99 @@ class DSparkServer:
                            param="model", code="model_not_found")
         return req
 
-    async def _respond(self, req, ids: list[int], params: SamplingParams, req_id: str, chat: bool):
-        stream = self.loop.generate(ids, params, req_id)
-        first = await anext(stream)  # errors surface here, before any response is sent
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _check_fan_out(self, field: str, runs: int) -> int:
+        """Choices per prompt run at once: at most the slot capacity (each holds a slot)."""
+        if runs > self.config.capacity:
+            raise APIError(400, f"{field}: at most {self.config.capacity} (the slot capacity), got {runs}",
+                           param=field)
+        return runs
+
+    def _check_prompt(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], str]:
+        """(token ids, text to echo) of one prompt, validated by the engine (InvalidRequest names the field)."""
+        ids = self.loop.engine.check(prompt, params)
+        keep_text = isinstance(prompt, str) and params.truncate_prompt_tokens is None
+        return ids, prompt if keep_text else self.tokenizer.decode(ids)
+
+    async def _respond(self, req, req_id: str, choices: list[Choice], view, keep: int):
+        """Run the choices and answer: one body, or an SSE stream. ``keep``: choices returned per prompt."""
+        streams = ChoiceStreams(self.loop, choices)
+        await streams.start()  # errors surface here, before any response is sent
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, first, req_id, chat, include_usage),
-                                     media_type="text/event-stream")
-        outs = [first]
-        async for out in stream:
-            outs.append(out)
-        last = outs[-1]
-        if last.finish_reason == "error":
-            raise APIError(503, last.error or "generation failed", err_type="server_error", code="engine_error")
-        text = "".join(o.new_text for o in outs)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
-                  if chat else {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None})
+            return StreamingResponse(self._sse(req, req_id, streams, view), media_type="text/event-stream")
+        try:
+            await streams.gather()
+        finally:
+            await streams.close()
+        failed = next((c.last for c in choices if c.last.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(503, failed.error or "generation failed", err_type="server_error", code="engine_error")
+        shown = _best(choices, keep)
+        specs = [c.last.spec for c in choices if c.last.spec]
         body = {
-            "id": req_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-            "model": self.config.model_name, "choices": [choice], "usage": _usage(last).model_dump(),
-            "speculation": Speculation.of(last.spec).model_dump() if last.spec else None,
+            "id": req_id, "object": view.object, "created": now(), "model": self.config.model_name,
+            "choices": [view.choice(c) for c in shown], "usage": _total_usage(choices).model_dump(),
+            "speculation": Speculation.of(specs[0]).model_dump() if len(specs) == 1 else None,
         }
         return JSONResponse(body)
 
-    async def _sse(self, stream: AsyncIterator[RequestOutput], first: RequestOutput, req_id: str, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": req_id, "object": obj, "created": now(), "model": self.config.model_name}
-        if chat:
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
-
-        async def outputs():
-            yield first
-            async for out in stream:
-                yield out
-
+    async def _sse(self, req, req_id: str, streams: ChoiceStreams, view) -> AsyncIterator[str]:
+        choices = streams.choices
+        base = {"id": req_id, "object": view.chunk_object, "created": now(), "model": self.config.model_name}
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        for c in choices:
+            if (head := view.head(c)) is not None:
+                yield _sse({**base, "choices": [head]})
+        started: set[int] = set()
+        merged = streams.merged()
         try:
-            async for out in outputs():
+            async for c, out in merged:
                 if out.finish_reason == "error":
                     yield APIError(503, out.error or "generation failed", err_type="server_error",
                                    code="engine_error").sse()
                     break
-                if out.new_text or out.finished:
-                    choice = ({"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
-                               "finish_reason": out.finish_reason} if chat else
-                              {"index": 0, "text": out.new_text, "finish_reason": out.finish_reason,
-                               "logprobs": None})
-                    chunk = {**base, "choices": [choice]}
-                    if out.finished and out.spec is not None:
-                        chunk["speculation"] = Speculation.of(out.spec).model_dump()
-                    yield _sse(chunk)
-                if out.finished and include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(out).model_dump()})
+                entry = view.chunk(c, out, first=c.index not in started)
+                started.add(c.index)
+                if entry is None:
+                    continue
+                chunk = {**base, "choices": [entry]}
+                if out.finished and out.spec is not None:
+                    chunk["speculation"] = Speculation.of(out.spec).model_dump()
+                if continuous:
+                    chunk["usage"] = _usage(out).model_dump()
+                yield _sse(chunk)
+            else:
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": _total_usage(choices).model_dump()})
         except Exception as exc:  # noqa: BLE001 - reported in the stream
             yield _api_error(exc).sse()
+        finally:
+            await merged.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _best(choices: list[Choice], keep: int) -> list[Choice]:
+    """Per prompt, the ``keep`` choices of highest cumulative log-probability (best_of), renumbered."""
+    if len({c.prompt for c in choices}) * keep == len(choices):
+        return choices
+    shown = []
+    for p in sorted({c.prompt for c in choices}):
+        ranked = sorted((c for c in choices if c.prompt == p), key=lambda c: -c.cumulative_logprob)[:keep]
+        for i, c in enumerate(sorted(ranked, key=lambda c: c.index)):
+            c.index = p * keep + i
+            shown.append(c)
+    return shown
+
+
+def _total_usage(choices: list[Choice]) -> Usage:
+    """Each prompt counted once, every generated token counted."""
+    prompt = sum({c.prompt: c.last.num_prompt_tokens for c in choices}.values())
+    completion = sum(c.last.num_output_tokens for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _usage(out: RequestOutput) -> Usage:
