@@ -110,7 +110,7 @@ def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequest):
-        return APIError(400, exc.message, param=exc.field)
+        return APIError(400, str(exc), param=exc.field)  # "field: what is wrong"
     if isinstance(exc, Overloaded):
         return APIError(503, str(exc), code="overloaded", err_type="server_error",
                         headers={"Retry-After": str(exc.retry_after_s)})
