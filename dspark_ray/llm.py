@@ -4,6 +4,11 @@
     llm = LLM(model="models/shakespeare-target", draft="models/shakespeare-draft")
     out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=32))
     print(out[0].text, out[0].spec.mean_acceptance_length)
+
+Every SamplingParams option applies (penalties, logit_bias, min_tokens,
+min_p ...); ``logprobs=N`` / ``prompt_logprobs=N`` fill ``out.logprobs`` /
+``out.prompt_logprobs`` with the target's log-probabilities, and
+``max_tokens=0`` with ``prompt_logprobs`` scores prompts without generating.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 req_id = self.engine.add_request(prompt, p)
                 order.append(req_id)
-                results[req_id] = CompletionOutput(req_id, self.engine.requests[req_id].prompt_token_ids)
+                results[req_id] = CompletionOutput(req_id, self.engine.requests[req_id].prompt_token_ids,
+                                                   logprobs=[] if p.logprobs is not None else None)
         except Exception:
             for req_id in order:
                 self.engine.abort(req_id)
@@ -64,6 +70,10 @@ class LLM:
                     res = results[out.req_id]
                     res.token_ids += out.new_token_ids
                     res.text += out.new_text
+                    if out.logprobs is not None:
+                        res.logprobs += out.logprobs
+                    if out.prompt_logprobs is not None:
+                        res.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         res.finish_reason, res.stop_reason, res.spec = out.finish_reason, out.stop_reason, out.spec
                         res.error = out.error

@@ -270,3 +270,26 @@ def test_bad_options_get_400_naming_the_field_and_change_nothing(server):
     after = server.services.slots.snapshot()
     assert after.live == before.live == () and after.free == after.capacity
     assert server.loop.engine.counters.steps == steps, "a refused request ran a step"
+
+
+def test_handle_api_and_offline_llm_take_the_same_options(server):
+    """GenerateRequest (the Ray handle's type) and the offline LLM agree on penalties and log-probabilities."""
+    from dspark_ray import LLM
+    from dspark_ray.engine.sampling_params import SamplingParams
+    from dspark_ray.serve.protocol import GenerateRequest
+
+    options = dict(max_tokens=8, repetition_penalty=1.3, min_tokens=2, logprobs=2, prompt_logprobs=1)
+    chunk = asyncio.run(server.complete(GenerateRequest(prompt=PROMPTS[2], **options)))
+    cfg = server.config
+    llm = LLM(cfg.model, cfg.draft, capacity=2, max_context=256, num_speculative_tokens=cfg.num_speculative_tokens)
+    out = llm.generate(PROMPTS[2], SamplingParams(**options))[0]
+    assert chunk.token_ids == out.token_ids and chunk.text == out.text
+    assert len(chunk.logprobs) == len(out.logprobs) == 8
+    assert [lp.token_id for lp in chunk.logprobs] == out.token_ids
+    assert [lp.logprob for lp in chunk.logprobs] == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-5)
+    assert chunk.prompt_logprobs[0] is None and len(chunk.prompt_logprobs) == len(out.prompt_logprobs)
+    assert all(len(lp.top) == 2 for lp in chunk.logprobs)
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+    scored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert scored.token_ids == [] and scored.finish_reason == "length"
+    assert [lp.token_id for lp in scored.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
