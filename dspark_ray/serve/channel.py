@@ -67,10 +67,14 @@ def new_key() -> bytes:
 
 
 class ChannelServer:
-    """Serves calls to ``handler`` from one client at a time on a daemon thread.
+    """Serves calls to ``handler`` over one connection, on a daemon thread.
 
-    ``lock`` (optional) is held around every call, so a worker that also
-    answers Ray method calls on its main thread can keep its state consistent.
+    It listens until one client passes the key challenge, stops listening,
+    and serves that connection until it closes. A worker opens one server per
+    connection it is asked for (one per engine lane of the replica); ``lock``
+    is shared by them and held around every call, so calls from several
+    connections and Ray method calls on the worker's main thread run one at a
+    time and see consistent state.
     """
 
     def __init__(self, handler: object, host: str, authkey: bytes, lock: threading.Lock | None = None) -> None:
@@ -90,23 +94,23 @@ class ChannelServer:
                 if not self._closed:
                     log.warning("channel: refused a connection: %r", exc)
                 continue
+            self.close()
             with conn:
-                self._serve_connection(conn)
+                self._serve_calls(conn)
 
-    def _serve_connection(self, conn: Connection) -> None:
+    def _serve_calls(self, conn: Connection) -> None:
         while True:
             try:
                 method, args = conn.recv()
             except (EOFError, OSError):
                 return
-            start = time.perf_counter()
-            try:
-                with self.lock:
-                    value = getattr(self.handler, method)(*args)
-                reply = (_OK, value, time.perf_counter() - start)
-            except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
-                reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()),
-                         time.perf_counter() - start)
+            with self.lock:  # the reported seconds exclude waiting for another connection's call
+                start = time.perf_counter()
+                try:
+                    reply = (_OK, getattr(self.handler, method)(*args), time.perf_counter() - start)
+                except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
+                    reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()),
+                             time.perf_counter() - start)
             try:
                 conn.send(reply)
             except (OSError, pickle.PicklingError) as exc:

@@ -27,18 +27,14 @@ from dspark_ray.tokenizer import Tokenizer
 
 
 class _ChannelWorker:
-    """Opens (and re-opens, for a new replica connection) the worker's channel."""
+    """Opens channels for the replica: one per call of ``open_channel`` (one per engine lane)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._server: ChannelServer | None = None
 
     def open_channel(self, authkey: bytes) -> tuple[str, int]:
-        """Listen for the replica on this node's IP; returns the address to connect to."""
-        if self._server is not None:
-            self._server.close()
-        self._server = ChannelServer(self, ray.util.get_node_ip_address(), authkey, self.lock)
-        return self._server.address
+        """Listen for one connection on this node's IP; returns the address to connect to."""
+        return ChannelServer(self, ray.util.get_node_ip_address(), authkey, self.lock).address
 
 
 class TargetShard(_ChannelWorker):
