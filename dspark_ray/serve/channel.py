@@ -3,8 +3,9 @@
 Why not a Ray actor call per step: a plain call goes through task
 submission, the raylet-free direct-call gRPC path and several thread hops in
 both processes, ~1 ms idle and far more when the replica, the proxy, the
-draft worker and the shards share a few cores (on the 2-core development box
-a step's two calls cost ~30 ms of a 46 ms step). The workers stay Ray actors
+draft worker and the shards share a few cores (5-7 ms per call beyond the
+worker's own time on the 2-core development box; ~1 ms over a channel). The
+workers stay Ray actors
 (placed by the replica's placement group, named, restarted, killed by Ray);
 only the hot path moves: after start-up the replica opens one persistent
 connection to each worker, and each step is one pickled message each way.
