@@ -172,12 +172,18 @@ class Collected:
     error: str | None = None
     spec: SpecSummary | None = None
     outputs: int = 0  # RequestOutputs received
+    logprobs: list = field(default_factory=list)  # TokenLogprobs, when the request asked for them
+    prompt_logprobs: list | None = None
 
     def take(self, out) -> None:
         assert not self.finished, f"{out.req_id}: output after it finished"
         self.outputs += 1
         self.token_ids += out.new_token_ids
         self.text += out.new_text
+        self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            assert self.prompt_logprobs is None, f"{out.req_id}: prompt log-probabilities sent twice"
+            self.prompt_logprobs = out.prompt_logprobs
         assert out.num_output_tokens == len(self.token_ids), "num_output_tokens disagrees with the deltas"
         if out.finished:
             self.finished = True

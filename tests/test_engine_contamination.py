@@ -47,8 +47,17 @@ class Planned:
     abort_after: int | None  # steps after arrival at which it is aborted, if still running
 
 
-def random_schedule(seed: int) -> list[Planned]:
+def random_rules(rng: random.Random, max_tokens: int) -> dict:
+    """Logits rules and log-probability requests: state that depends on each request's own output."""
+    return dict(repetition_penalty=rng.choice([1.0, 1.4]), presence_penalty=rng.choice([0.0, 0.8]),
+                frequency_penalty=rng.choice([0.0, 0.5]), logit_bias=rng.choice([{}, {rng.randrange(4096): 4.0}]),
+                min_tokens=rng.choice([0, max_tokens // 2]), min_p=rng.choice([0.0, 0.05]),
+                logprobs=rng.choice([None, 0, 3]), prompt_logprobs=rng.choice([None, 2]))
+
+
+def random_schedule(seed: int, rules: bool = False) -> list[Planned]:
     rng = random.Random(seed)
+    rules_rng = random.Random(seed + 1000)  # a separate stream: the base schedule of a seed stays the same
     plan = []
     for i in range(NUM_REQUESTS):
         prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 16))]
@@ -60,7 +69,8 @@ def random_schedule(seed: int) -> list[Planned]:
         else:
             sampling = {}
         abort_after = rng.choice([None] * 5 + [0, rng.randint(1, 10)])
-        plan.append(Planned(f"req{i}", prompt, SamplingParams(max_tokens=max_tokens, **spec, **sampling),
+        extra = random_rules(rules_rng, max_tokens) if rules else {}
+        plan.append(Planned(f"req{i}", prompt, SamplingParams(max_tokens=max_tokens, **spec, **sampling, **extra),
                             arrival=rng.randint(0, 12), abort_after=abort_after))
     return plan
 
@@ -116,9 +126,10 @@ def check_slots(engine, seen: Observed) -> None:
         assert lease is not None and (lease.slot, lease.epoch) == (slot, engine.requests[req_id].epoch)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed):
-    schedule = random_schedule(seed)
+@pytest.mark.parametrize("seed, rules", [(0, False), (1, False), (2, True)])
+def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules):
+    """With ``rules`` requests also carry penalties, logit_bias, min_tokens, min_p and ask for logprobs."""
+    schedule = random_schedule(seed, rules)
     engine = make_engine(tiny_models.target, tiny_models.drafts["near"], **CONFIG)
     results, seen = drive(engine, schedule)
 
@@ -148,8 +159,23 @@ def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed):
                                                                       alone.stop_reason)
             # Speculation happened the same way too: same blocks, same acceptances.
             assert got.spec == alone.spec, p.req_id
+            assert_same_logprobs(got, alone, p)
     assert compared >= NUM_REQUESTS // 2
+    if rules:  # requests with rules and with log-probabilities ran to the end beside others
+        done = [p for p in schedule if results[p.req_id].finish_reason != "abort"]
+        assert sum(p.params.has_rules for p in done) >= 3 and sum(p.params.logprobs is not None for p in done) >= 3
     assert_drained(engine, NUM_REQUESTS)
+
+
+def assert_same_logprobs(got: Collected, alone: Collected, p: Planned) -> None:
+    """The log-probabilities a request got in the crowd are those of its solo run (float tolerance)."""
+    if p.params.logprobs is not None:
+        assert [lp.token_id for lp in got.logprobs] == got.token_ids
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-4)
+    if p.params.prompt_logprobs is not None:
+        assert len(got.prompt_logprobs) == len(p.prompt) and got.prompt_logprobs[0] is None
+        assert [lp.logprob for lp in got.prompt_logprobs[1:]] == pytest.approx(
+            [lp.logprob for lp in alone.prompt_logprobs[1:]], abs=1e-4)
 
 
 def test_reused_slot_shows_nothing_of_its_previous_owner(tiny_models: TinyModels):
