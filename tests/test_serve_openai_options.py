@@ -293,3 +293,22 @@ def test_handle_api_and_offline_llm_take_the_same_options(server):
     scored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     assert scored.token_ids == [] and scored.finish_reason == "length"
     assert [lp.token_id for lp in scored.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+
+
+def test_vllm_sampling_extensions(server):
+    """include_stop_str_in_output, truncate_prompt_tokens, skip_special_tokens, top_k -1, with vLLM's meanings."""
+    base = dict(prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    plain = complete(server, **base).choices[0].text
+    stop = plain[6:9]
+    assert plain.find(stop) == 6, "pick a stop string that first occurs where it is cut"
+    cut = complete(server, stop=[stop], **base).choices[0]
+    kept = complete(server, stop=[stop], extra_body=dict(include_stop_str_in_output=True), **base).choices[0]
+    assert cut.text == plain[:6] and kept.text == plain[:9] and cut.finish_reason == kept.finish_reason == "stop"
+
+    ids = server.tokenizer.encode(PROMPTS[0])
+    short = complete(server, extra_body=dict(truncate_prompt_tokens=4), **base)
+    assert short.usage.prompt_tokens == 4
+    assert short.choices[0].text == complete(server, **{**base, "prompt": ids[-4:]}).choices[0].text
+
+    same = complete(server, extra_body=dict(top_k=-1, skip_special_tokens=False), **base).choices[0].text
+    assert same == plain
