@@ -14,7 +14,12 @@ step:
               the longest valid draft prefix plus one recovered or bonus token
               (greedy: the target's argmax, so output equals target-only
               greedy decoding; sampled: Leviathan et al.'s rejection sampling,
-              so output follows the target distribution);
+              so output follows the target distribution). A request's logits
+              rules (penalties, logit_bias, min_tokens, min_p) shape the
+              target's distribution at every scored position, and the draft's
+              the same way; the rows carry the request's own output, so this
+              state is per request, never per batch row. Log-probabilities
+              reported to callers are read off the same pass, from the raw logits;
 5. commit     append emitted tokens, apply stop conditions, record
               speculation statistics, advance target and draft lengths;
 6. release    one slot-service call frees the slots of requests that ended;
