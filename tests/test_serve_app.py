@@ -156,6 +156,24 @@ def handle_client_app():
     return HandleClient.bind()
 
 
+def test_logprobs_penalties_and_choices_over_the_served_transport(served, client):
+    """Log-probabilities, penalties and n travel through the served step (actors) as in process."""
+    args = dict(model=served.model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    c = client.completions.create(logprobs=2, echo=True, **args).choices[0]
+    n_prompt = len(c.logprobs.tokens) - 8
+    assert c.logprobs.token_logprobs[0] is None and n_prompt > 1
+    assert all(lp is not None and lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+    assert c.text == PROMPTS[0] + client.completions.create(**args).choices[0].text
+    penalised = client.completions.create(frequency_penalty=1.5, extra_body={"repetition_penalty": 1.5}, **args)
+    assert penalised.choices[0].text != c.text[len(PROMPTS[0]):]
+    many = client.completions.create(model=served.model, prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=1.0,
+                                     seed=1)
+    assert [ch.index for ch in many.choices] == [0, 1, 2, 3]
+    chat = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=1)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+
+
 def test_handle_api_from_a_second_serve_app(served, client):
     prompt, max_tokens = PROMPTS[2], 20
     ref = client.completions.create(model=served.model, prompt=prompt, max_tokens=max_tokens, temperature=0)
