@@ -44,6 +44,7 @@ class LLM:
 
         ``prompts`` is a string, a list of strings, or a list of token-id lists.
         ``params`` is one SamplingParams for all prompts or one per prompt.
+        With ``n > 1`` a prompt gets n results in a row (sample i seeded seed + i).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -54,11 +55,11 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         order = []
         try:
-            for prompt, p in zip(prompts, params):
-                req_id = self.engine.add_request(prompt, p)
+            for prompt, sample in ((pr, s) for pr, p in zip(prompts, params) for s in p.samples()):
+                req_id = self.engine.add_request(prompt, sample)
                 order.append(req_id)
                 results[req_id] = CompletionOutput(req_id, self.engine.requests[req_id].prompt_token_ids,
-                                                   logprobs=[] if p.logprobs is not None else None)
+                                                   logprobs=[] if sample.logprobs is not None else None)
         except Exception:
             for req_id in order:
                 self.engine.abort(req_id)

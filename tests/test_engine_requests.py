@@ -195,7 +195,7 @@ BAD_PARAMS = [
     ("min_tokens", dict(min_tokens=5, max_tokens=4)), ("min_tokens", dict(min_tokens=-1)),
     ("presence_penalty", dict(presence_penalty=2.5)), ("frequency_penalty", dict(frequency_penalty=-3)),
     ("repetition_penalty", dict(repetition_penalty=0)), ("min_p", dict(min_p=1.5)),
-    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)),
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)), ("n", dict(n=0)),
 ]
 
 

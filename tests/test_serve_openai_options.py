@@ -312,3 +312,23 @@ def test_vllm_sampling_extensions(server):
 
     same = complete(server, extra_body=dict(top_k=-1, skip_special_tokens=False), **base).choices[0].text
     assert same == plain
+
+
+def test_n_samples_in_the_handle_api_and_the_offline_llm(server):
+    from dspark_ray import LLM
+    from dspark_ray.engine.sampling_params import SamplingParams
+    from dspark_ray.serve.protocol import GenerateRequest
+
+    async def stream():
+        request = GenerateRequest(prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=11, n=3)
+        return [chunk async for chunk in server.generate(request)]
+
+    texts = ["", "", ""]
+    for chunk in asyncio.run(stream()):
+        texts[chunk.index] += chunk.text
+    cfg = server.config
+    llm = LLM(cfg.model, cfg.draft, capacity=4, max_context=256, num_speculative_tokens=cfg.num_speculative_tokens)
+    offline = llm.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3))
+    assert len(offline) == 6 and [o.text for o in offline[:3]] == texts
+    assert offline[3].text == llm.generate(PROMPTS[2], SamplingParams(max_tokens=6, temperature=1.0, seed=11))[0].text
+    assert len(set(texts)) > 1

@@ -153,6 +153,8 @@ class Engine:
         calls it, and a caller submitting several requests at once can call it
         for all of them first, so that a bad one leaves none behind.
         """
+        if params.n != 1:
+            raise InvalidRequest("n", "an engine request is one sample: add params.samples() one by one")
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
         if len(ids) + params.max_tokens > self.config.max_context:
             raise InvalidRequest(

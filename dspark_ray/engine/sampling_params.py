@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -66,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    n: int = 1
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,8 +99,16 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or k < 0):
             raise InvalidRequest("num_speculative_tokens", f"must be an integer >= 0, got {k!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequest("n", f"must be an integer >= 1, got {self.n!r}")
         self._check_rules()
         self._check_logprobs()
+
+    def samples(self) -> list[SamplingParams]:
+        """The n single-sample requests these params stand for; sample i of a seeded request uses seed + i,
+        so each is reproducible and sample 0 equals the request with n = 1."""
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63)
+                for i in range(self.n)]
 
     def _check_rules(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

@@ -14,7 +14,6 @@ error is returned, so a refused request leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -51,16 +50,12 @@ class Choice:
         return sum(lp.logprob for lp in self.logprobs)
 
 
-def fan_out(prompts: list[list[int]], params: SamplingParams, n: int, req_id: str) -> list[Choice]:
-    """P prompts x n samples, in OpenAI's order; choice i of a seeded request gets seed + i."""
-    choices = []
-    for p, ids in enumerate(prompts):
-        for i in range(n):
-            seed = params.seed if params.seed is None else (params.seed + i) % 2**63
-            index = p * n + i
-            choices.append(Choice(index, p, ids, dataclasses.replace(params, seed=seed),
-                                  req_id if len(prompts) * n == 1 else f"{req_id}-{index}"))
-    return choices
+def fan_out(prompts: list[list[int]], params: SamplingParams, req_id: str) -> list[Choice]:
+    """P prompts x params.n samples, in OpenAI's order (``SamplingParams.samples`` seeds them)."""
+    samples = params.samples()
+    total = len(prompts) * len(samples)
+    return [Choice(p * len(samples) + i, p, ids, sample, req_id if total == 1 else f"{req_id}-{p * len(samples) + i}")
+            for p, ids in enumerate(prompts) for i, sample in enumerate(samples)]
 
 
 class ChoiceStreams:

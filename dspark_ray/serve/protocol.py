@@ -141,11 +141,12 @@ class CompletionRequest(_OpenAIRequest):
             return [p]
         return list(p)
 
-    def params(self, default_max_tokens: int = 16) -> SamplingParams:
+    def params(self, default_max_tokens: int = 16, n: int = 1) -> SamplingParams:
+        """The engine's params; ``n``: samples run per prompt (best_of when it is larger)."""
         lp = self.logprobs
         if self.best_of is not None and self.best_of > self.n and lp is None:
             lp = 0  # ranking needs each choice's cumulative log-probability
-        return self.sampling_params(default_max_tokens, logprobs=lp,
+        return self.sampling_params(default_max_tokens, logprobs=lp, n=n,
                                     prompt_logprobs=self.logprobs if self.echo else None)
 
 
@@ -189,11 +190,12 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("top_logprobs: needs logprobs: true")
         return self
 
-    def params(self, default_max_tokens: int = 16) -> SamplingParams:
+    def params(self, default_max_tokens: int = 16, n: int = 1) -> SamplingParams:
         req = self
         if self.max_tokens is None and self.max_completion_tokens is not None:
             req = self.model_copy(update={"max_tokens": self.max_completion_tokens})
-        return req.sampling_params(default_max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        return req.sampling_params(default_max_tokens, n=n,
+                                   logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 class Speculation(BaseModel):
@@ -239,9 +241,11 @@ class GenerateRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Per output token: its "
                                                                           "log-probability and this many top ones.")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt.")
+    n: int = Field(1, ge=1, description="Independent samples (generate streams them, each chunk with its index); "
+                                        "sample i of a seeded request uses seed + i.")
 
     def params(self) -> SamplingParams:
-        return self.sampling_params(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+        return self.sampling_params(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, n=self.n)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -267,6 +271,7 @@ class GenerateChunk(BaseModel):
     """One streamed piece of a generation; the last has ``finished`` set."""
 
     request_id: str
+    index: int = Field(0, description="Which of the request's n samples this chunk belongs to.")
     text: str
     token_ids: list[int]
     logprobs: list[Logprob] | None = Field(None, description="One per token id, when asked for.")

@@ -16,6 +16,7 @@ process, with no cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -207,11 +208,11 @@ class DSparkServer:
     async def completions(self, request: Request):
         try:
             req = await self._parse(request, CompletionRequest)
-            params = req.params()
             runs = self._check_fan_out("best_of" if req.best_of else "n", req.best_of or req.n)
-            prompts = [self._check_prompt(p, params) for p in req.prompt_inputs()]
+            params = req.params(n=runs)
+            prompts = [self._check_prompt(p, dataclasses.replace(params, n=1)) for p in req.prompt_inputs()]
             req_id = new_id("cmpl")
-            choices = fan_out([ids for ids, _ in prompts], params, runs, req_id)
+            choices = fan_out([ids for ids, _ in prompts], params, req_id)
             view = CompletionView(self._token_text, [t for _, t in prompts] if req.echo else None,
                                   req.logprobs is not None)
             return await self._respond(req, req_id, choices, view, keep=req.n)
@@ -228,10 +229,9 @@ class DSparkServer:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             room = max(1, self.config.max_context - len(ids))
-            params = req.params(default_max_tokens=room)
-            runs = self._check_fan_out("n", req.n)
+            params = req.params(default_max_tokens=room, n=self._check_fan_out("n", req.n))
             try:
-                ids = self.loop.engine.check(ids, params)
+                ids = self.loop.engine.check(ids, dataclasses.replace(params, n=1))
             except InvalidRequest as exc:  # the engine's "prompt" is the rendered messages here
                 if exc.field != "prompt":
                     raise
@@ -239,7 +239,7 @@ class DSparkServer:
             echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
             view = ChatView(self._token_text, echo, bool(req.logprobs))
             req_id = new_id("chatcmpl")
-            return await self._respond(req, req_id, fan_out([ids], params, runs, req_id), view, keep=req.n)
+            return await self._respond(req, req_id, fan_out([ids], params, req_id), view, keep=req.n)
         except Exception as exc:  # noqa: BLE001
             return _api_error(exc).response()
 
@@ -254,22 +254,30 @@ class DSparkServer:
     # -- handle API ------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
-        """Stream a generation: ``handle.options(stream=True).generate.remote(GenerateRequest(...))``."""
+        """Stream a generation: ``handle.options(stream=True).generate.remote(GenerateRequest(...))``.
+
+        With n > 1 the samples' chunks interleave; ``index`` tells them apart.
+        """
         req = request if isinstance(request, GenerateRequest) else GenerateRequest(**request)
         prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
         req_id = req.request_id or new_id("gen")
-        async for out in self.loop.generate(prompt, req.params(), req_id):
-            yield GenerateChunk(
-                request_id=req_id, text=out.new_text, token_ids=out.new_token_ids, finished=out.finished,
-                finish_reason=out.finish_reason, error=out.error,
-                usage=_usage(out) if out.finished else None, speculation=Speculation.of(out.spec),
-                logprobs=None if out.logprobs is None else [Logprob.of(lp) for lp in out.logprobs],
-                prompt_logprobs=(None if out.prompt_logprobs is None
-                                 else [Logprob.of(lp) for lp in out.prompt_logprobs]),
-            )
+        params = req.params()
+        self._check_fan_out("n", params.n)
+        ids = self.loop.engine.check(prompt, dataclasses.replace(params, n=1))
+        streams = ChoiceStreams(self.loop, fan_out([ids], params, req_id))
+        await streams.start()
+        merged = streams.merged()
+        try:
+            async for c, out in merged:
+                yield _chunk(c, out)
+        finally:
+            await merged.aclose()
 
     async def complete(self, request: GenerateRequest | dict) -> GenerateChunk:
-        """The whole generation in one response: ``handle.complete.remote(GenerateRequest(...))``."""
+        """The whole generation in one response: ``handle.complete.remote(GenerateRequest(...))`` (n = 1)."""
+        n = request.n if isinstance(request, GenerateRequest) else request.get("n", 1)
+        if n != 1:
+            raise InvalidRequest("n", "complete returns one sample; stream generate for n > 1")
         text, ids, logprobs, prompt_logprobs, last = [], [], [], None, None
         async for chunk in self.generate(request):
             text.append(chunk.text)
@@ -337,8 +345,7 @@ class DSparkServer:
     def _check_fan_out(self, field: str, runs: int) -> int:
         """Choices per prompt run at once: at most the slot capacity (each holds a slot)."""
         if runs > self.config.capacity:
-            raise APIError(400, f"{field}: at most {self.config.capacity} (the slot capacity), got {runs}",
-                           param=field)
+            raise InvalidRequest(field, f"at most {self.config.capacity} (the slot capacity), got {runs}")
         return runs
 
     def _check_prompt(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], str]:
@@ -404,6 +411,17 @@ class DSparkServer:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _chunk(c: Choice, out: RequestOutput) -> GenerateChunk:
+    """A handle API chunk of one sample's output."""
+    return GenerateChunk(
+        request_id=c.req_id, index=c.index, text=out.new_text, token_ids=out.new_token_ids, finished=out.finished,
+        finish_reason=out.finish_reason, error=out.error,
+        usage=_usage(out) if out.finished else None, speculation=Speculation.of(out.spec),
+        logprobs=None if out.logprobs is None else [Logprob.of(lp) for lp in out.logprobs],
+        prompt_logprobs=None if out.prompt_logprobs is None else [Logprob.of(lp) for lp in out.prompt_logprobs],
+    )
 
 
 def _best(choices: list[Choice], keep: int) -> list[Choice]:
