@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark_ray.engine import InvalidRequest, SamplingParams
 from dspark_ray.engine.outputs import SpecSummary, TokenLogprob
