@@ -5,6 +5,7 @@
     dspark nccl-check --device cuda --placement-strategy STRICT_SPREAD   # all-reduce bandwidth, two boxes
     dspark dashboards push --url http://127.0.0.1:3000 --token $GRAFANA_TOKEN
     dspark bench --systems dspark vllm --batches 1 8   # bench/compare.py: dspark_ray vs vLLM, transformers
+    dspark bench --served --concurrency 1 8 32         # bench/served.py: serve run vs vllm serve, vLLM's client
     dspark loadgen --concurrency 8 --requests 64       # bench/loadgen.py against a local OpenAI server
 """
 
@@ -76,13 +77,17 @@ def _dashboards_push(args: argparse.Namespace) -> int:
 # The benchmarks are scripts in bench/ of the source checkout, not part of the
 # package; these commands run them with the options after the command name.
 BENCH_SCRIPTS = {
-    "bench": ("compare", "dspark_ray against vLLM and transformers, side by side (bench/compare.py)"),
+    "bench": ("compare", "dspark_ray against vLLM and transformers, side by side (bench/compare.py); "
+              "--served: `serve run` against `vllm serve`, driven by vLLM's benchmark client (bench/served.py)"),
     "loadgen": ("loadgen", "HTTP load generator for an OpenAI-compatible server on localhost (bench/loadgen.py)"),
 }
 
 
 def _run_bench_script(command: str, argv: list[str]) -> int:
     module, _ = BENCH_SCRIPTS[command]
+    if command == "bench" and "--served" in argv:  # the serving benchmark; plain `dspark bench` is compare.py
+        module, argv = "served", [a for a in argv if a != "--served"]
+        command = "bench --served"
     bench = REPO_ROOT / "bench"
     if not (bench / f"{module}.py").is_file():
         print(f"dspark {command}: {bench / module}.py not found; it needs the source checkout "
