@@ -82,7 +82,17 @@ class Scheduler:
     # -- planning ------------------------------------------------------------
 
     def spec_tokens_for(self, req: Request) -> int:
-        """This step's k: the request's own, never past max_tokens or the context."""
+        """This step's k: the request's own, never past max_tokens or the context.
+
+        A request's first step carries no drafts: its first token goes out after
+        one target pass over the prompt instead of waiting for the draft to read
+        the prompt and propose too (time to first token); the draft catches up
+        on the prompt in the next step. The rule depends only on the request's
+        own progress (not on preemption or the batch), so a request speculates,
+        and samples, the same way whatever else runs.
+        """
+        if not req.output_token_ids:
+            return 0
         room = min(req.remaining_tokens() - 1, self.config.max_context - req.num_tokens - 1)
         return max(0, min(req.num_spec_tokens, room))
 
