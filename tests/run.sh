@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh --test
+# vLLM's own benchmark client runs unmodified against `serve run` in the tests
+# (tests/test_bench_served.py); it lives in its own venv (it pins its own torch).
+# Its test is skipped, loudly, if the install fails.
+if ! bash bench/setup_vllm.sh >/tmp/dspark-setup-vllm.log 2>&1; then
+  echo "tests/run.sh: WARNING: bench/setup_vllm.sh failed (log: /tmp/dspark-setup-vllm.log);" \
+       "the vLLM-client test will be skipped" >&2
+fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 set +e
 .venv/bin/python -m pytest "$@"
