@@ -57,7 +57,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_DIR, OUT_DIR, REPO, machine  # noqa: E402
 from metrics import percentile  # noqa: E402
 
+from dspark_ray.ops.processes import free_port, port_is_free, stop_process, wait_port_free  # noqa: E402
 from dspark_ray.serve.timeline import per_step_ms  # noqa: E402
 
 DEFAULT_YAML = REPO / "deploy" / "dspark.yaml"
@@ -282,46 +282,12 @@ def print_row(r: Row) -> None:
 # -- processes and ports -------------------------------------------------------------------------
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
-def wait_port_free(port: int, timeout_s: float = 15) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not port_is_free(port):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
-def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
-    """SIGINT to a process started with ``start_new_session=True`` and its group, then SIGKILL."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -553,7 +519,7 @@ class DsparkServed:
                 t.join(60)
         finally:
             if self.proc is not None:
-                stop_process(self.proc)
+                stop_process(self.proc, grace_s=10)
             ray.shutdown()
             wait_port_free(self.port)
             self._tmp.cleanup()

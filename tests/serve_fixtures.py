@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SHIPPED_DRAFT, SHIPPED_TARGET, save_tiny_checkpoint
+from dspark_ray.ops.processes import free_port, port_is_free, stop_process, wait_port_free  # noqa: F401 - re-exported
 
 VENV_BIN = Path(sys.executable).parent
 DEPLOY_YAML = REPO / "deploy" / "dspark.yaml"
@@ -98,28 +97,10 @@ def serve_models(tmp_path_factory) -> ServeModels:
 # -- processes and ports ------------------------------------------------------------------------
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_port_free(port: int, timeout_s: float = 15) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_is_free(port):
-            return True
-        time.sleep(0.2)
-    return port_is_free(port)
 
 
 def child_env() -> dict[str, str]:
@@ -131,22 +112,6 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def stop_process(proc: subprocess.Popen, grace_s: float = 5) -> None:
-    """Stop a process started with ``start_new_session=True`` and everything in its group."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):

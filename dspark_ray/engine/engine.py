@@ -55,7 +55,7 @@ from dspark_ray.engine.interfaces import (
     VerifyRow,
 )
 from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
-from dspark_ray.engine.request import FinishReason, Request, Status
+from dspark_ray.engine.request import FinishReason, Request
 from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from dspark_ray.slots import SlotLease, SlotsExhausted

@@ -1,0 +1,58 @@
+"""Local ports and process groups: what the benchmarks and the tests use to start and stop servers.
+
+Every server they start listens on 127.0.0.1 and runs in its own session
+(``start_new_session=True``), so that stopping it stops everything it spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+LOOPBACK = "127.0.0.1"
+
+
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port_free(port: int, timeout_s: float = 15, host: str = LOOPBACK) -> bool:
+    """Poll until ``port`` can be bound again (a stopped server released it); False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not port_is_free(port, host):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 5) -> None:
+    """SIGINT to a process started with ``start_new_session=True`` and its whole group, then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
