@@ -293,4 +293,6 @@ def test_vllm_benchmark_client_against_serve_run(served: ServeRun, serve_models:
     assert (row.completed, row.failed) == (6, 0)
     assert data["output_lens"] == [16] * 6  # ignore_eos honoured, usage counted
     assert row.ttft_mean is not None and row.output_tok_s > 0
+    # The client reads speculation from GET /metrics under vLLM's names: acceptance length in [1, k + 1].
+    assert row.acceptance_length is not None and 1.0 <= row.acceptance_length <= 5.0, data.keys()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -91,3 +92,47 @@ def test_bad_input_is_a_400_and_takes_no_slot(server, serve_models):
     assert after.live == before.live == ()
     assert after.free == after.capacity
     assert call(server, "GET", "/health").json() == {"status": "ok"}
+
+
+def spec_counters(text: str) -> dict[str, int]:
+    """``vllm:spec_decode_*_total`` values from Prometheus text, per-position ones keyed ``per_pos:<i>``."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_"):
+            name, value = line.rsplit(" ", 1)
+            metric = name.split("{")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
+            if 'position="' in name:
+                metric = "per_pos:" + name.split('position="')[1].split('"')[0]
+            out[metric] = int(value)
+    return out
+
+
+def test_metrics_count_speculation_under_vllm_names(server, serve_models):
+    """GET /metrics: what vLLM's `bench serve` reads to report acceptance length, equal to the responses' sums."""
+    before = spec_counters(call(server, "GET", "/metrics").text)
+    body = {"model": serve_models.name, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    specs = [call(server, "POST", "/v1/completions", {**body, "prompt": p}).json()["speculation"]
+             for p in (PROMPT, "To be, or not")]
+    r = wait_for_metrics(server, before, sum(s["drafts"] for s in specs))
+    assert r.headers["content-type"].startswith("text/plain")
+    after = spec_counters(r.text)
+    assert after["num_drafts"] - before.get("num_drafts", 0) == sum(s["drafts"] for s in specs) > 0
+    assert after["num_draft_tokens"] - before.get("num_draft_tokens", 0) == sum(s["draft_tokens"] for s in specs)
+    assert (after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
+            == sum(s["accepted_tokens"] for s in specs))
+    for pos in range(4):
+        key = f"per_pos:{pos}"
+        assert after.get(key, 0) - before.get(key, 0) == sum(
+            s["accepted_per_position"][pos] for s in specs if pos < len(s["accepted_per_position"]))
+
+
+def wait_for_metrics(server: DSparkServer, before: dict, drafts: int, timeout_s: float = 10) -> httpx.Response:
+    """The counters are recorded off the engine thread: poll until the new drafts show."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = call(server, "GET", "/metrics")
+        if spec_counters(r.text).get("num_drafts", 0) - before.get("num_drafts", 0) >= drafts:
+            return r
+        if time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)

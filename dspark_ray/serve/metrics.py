@@ -198,6 +198,9 @@ class ServingMetrics:
     def __init__(self, engine: Any, model: str, replica: str) -> None:
         self.observer = StepObserver(engine)
         self._failures: set[str] = set()
+        self.model = model
+        self._spec_lock = threading.Lock()
+        self._spec_totals = SpecDelta()  # this replica's speculation counters since start (GET /metrics)
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._recorder = threading.Thread(target=self._record_forever, name="dspark-metrics", daemon=True)
         keys = ("model", "replica")
@@ -283,6 +286,24 @@ class ServingMetrics:
         for pos, n in enumerate(r.spec.accepted_per_position):
             if n > 0:
                 self.accepted_per_pos.inc(n, tags={"position": str(pos)})
+        self._add_spec_totals(r.spec)
+
+    def _add_spec_totals(self, d: SpecDelta) -> None:
+        with self._spec_lock:
+            t = self._spec_totals
+            t.drafts += d.drafts
+            t.draft_tokens += d.draft_tokens
+            t.accepted_tokens += d.accepted_tokens
+            for pos, n in enumerate(d.accepted_per_position):
+                if pos >= len(t.accepted_per_position):
+                    t.accepted_per_position.append(0)
+                t.accepted_per_position[pos] += n
+
+    def spec_totals(self) -> SpecDelta:
+        """A copy of this replica's speculation counters since start."""
+        with self._spec_lock:
+            t = self._spec_totals
+            return SpecDelta(t.drafts, t.draft_tokens, t.accepted_tokens, list(t.accepted_per_position))
 
     def _guard(self, what: str, fn, *args) -> None:
         try:
@@ -291,6 +312,29 @@ class ServingMetrics:
             if what not in self._failures:
                 self._failures.add(what)
                 log.exception("recording serving metrics (%s) failed; serving continues", what)
+
+
+def vllm_spec_decode_text(totals: SpecDelta, model: str) -> str:
+    """Speculation counters in Prometheus text format under vLLM's names (``vllm:spec_decode_*``).
+
+    Served on the API port at ``GET /metrics`` so that tools written for
+    vLLM's OpenAI server (its ``vllm bench serve`` reports acceptance length
+    from these) read dspark_ray's speculation too. They count one replica;
+    for the whole application use Ray's exported ``ray_dspark_*`` metrics.
+    """
+    label = 'model_name="' + model.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    lines = []
+    for name, doc, value in (
+        ("num_drafts", "Verification steps that carried drafts.", totals.drafts),
+        ("num_draft_tokens", "Draft tokens proposed.", totals.draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", totals.accepted_tokens),
+    ):
+        lines += [f"# HELP vllm:spec_decode_{name}_total {doc}", f"# TYPE vllm:spec_decode_{name}_total counter",
+                  f"vllm:spec_decode_{name}_total{{{label}}} {value}"]
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {name} Drafts accepted at least up to position (0-based).", f"# TYPE {name} counter"]
+    lines += [f'{name}{{{label},position="{pos}"}} {n}' for pos, n in enumerate(totals.accepted_per_position)]
+    return "\n".join(lines) + "\n"
 
 
 class ShardMetrics:

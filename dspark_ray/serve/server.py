@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from ray import serve
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
@@ -34,7 +34,7 @@ from dspark_ray.engine.interfaces import DraftService, SlotService, TargetServic
 from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
-from dspark_ray.serve.metrics import ServingMetrics
+from dspark_ray.serve.metrics import ServingMetrics, vllm_spec_decode_text
 from dspark_ray.serve.choices import Choice, ChoiceStreams, fan_out
 from dspark_ray.serve.protocol import (
     ChatCompletionRequest,
@@ -168,6 +168,7 @@ class DSparkServer:
         api.post("/v1/completions")(self.completions)
         api.post("/v1/chat/completions")(self.chat_completions)
         api.get("/stats")(self.stats_route)
+        api.get("/metrics")(self.metrics_route)
         return api
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -250,6 +251,15 @@ class DSparkServer:
         except APIError as err:
             return err.response()
         return JSONResponse(await self.stats())
+
+    async def metrics_route(self, request: Request) -> Response:
+        """``GET /metrics``: this replica's speculation counters under vLLM's names (Prometheus text)."""
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return err.response()
+        text = vllm_spec_decode_text(self.loop.metrics.spec_totals(), self.config.model_name)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     # -- handle API ------------------------------------------------------------
 
