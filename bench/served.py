@@ -60,7 +60,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -72,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_DIR, OUT_DIR, REPO, machine  # noqa: E402
 from metrics import percentile  # noqa: E402
 
-from dspark_ray.ops.processes import free_port, port_is_free, stop_process, wait_port_free  # noqa: E402
+from dspark_ray.ops.processes import free_port, port_is_free, stop_process, stop_serve_run, wait_port_free  # noqa: E402
 from dspark_ray.serve.timeline import per_step_ms  # noqa: E402
 
 DEFAULT_YAML = REPO / "deploy" / "dspark.yaml"
@@ -503,25 +502,9 @@ class DsparkServed:
         return None if stats is None else stats.get("timeline")
 
     def __exit__(self, *exc) -> None:
-        import ray
-        from ray import serve
-
-        def shutdown() -> None:
-            try:
-                serve.shutdown()
-            except Exception as err:  # noqa: BLE001 - teardown goes on regardless
-                print(f"serve.shutdown failed: {err!r}", file=sys.stderr)
-
         try:
-            if ray.is_initialized():  # graceful first, but never hang the teardown on it
-                t = threading.Thread(target=shutdown, daemon=True)
-                t.start()
-                t.join(60)
+            stop_serve_run(self.proc, self.port, grace_s=10)
         finally:
-            if self.proc is not None:
-                stop_process(self.proc, grace_s=10)
-            ray.shutdown()
-            wait_port_free(self.port)
             self._tmp.cleanup()
 
 

@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SHIPPED_DRAFT, SHIPPED_TARGET, save_tiny_checkpoint
-from dspark_ray.ops.processes import free_port, port_is_free, stop_process, wait_port_free  # noqa: F401 - re-exported
+from dspark_ray.ops.processes import free_port, port_is_free, stop_process, stop_serve_run
 
 VENV_BIN = Path(sys.executable).parent
 DEPLOY_YAML = REPO / "deploy" / "dspark.yaml"
@@ -237,24 +236,7 @@ def ours(run: ServeRun) -> bool:
 
 def stop_serve(run: ServeRun) -> None:
     """Delete the applications, stop `serve run`, then the Ray head (and with it every worker)."""
-    import ray
-    from ray import serve
-
-    def shutdown() -> None:
-        try:
-            serve.shutdown()
-        except Exception as exc:  # noqa: BLE001 - teardown goes on regardless
-            print(f"serve.shutdown failed: {exc!r}", file=sys.stderr)
-
-    try:
-        if ray.is_initialized():  # graceful first, but never hang the teardown on it
-            t = threading.Thread(target=shutdown, daemon=True)
-            t.start()
-            t.join(60)
-    finally:
-        stop_process(run.proc)
-        ray.shutdown()
-        wait_port_free(run.port)
+    stop_serve_run(run.proc, run.port)
 
 
 def slot_manager(app_name: str):

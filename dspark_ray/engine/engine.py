@@ -247,9 +247,10 @@ class Engine:
         if not plan.rows:
             self._flush_releases()
             return outputs
-        proposal = self._run_speculation(plan)
+        sampling = {r.req_id: self._sampling(r) for r in plan.rows}  # built once, sent to draft and target
+        proposal = self._run_speculation(plan, sampling)
         t2 = time.perf_counter()
-        result = self._run_target(plan, proposal)
+        result = self._run_target(plan, proposal, sampling)
         t3 = time.perf_counter()
         if result is not None:
             outputs += self._commit(plan, proposal, result)
@@ -295,18 +296,19 @@ class Engine:
         if p.min_tokens and len(req.output_token_ids) < p.min_tokens:
             eos = () if p.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
             stop_ids = eos + p.stop_token_ids
-        prompt_ids = tuple(sorted(set(req.prompt_token_ids))) if p.repetition_penalty != 1.0 else ()
+        prompt_ids = req.distinct_prompt_ids if p.repetition_penalty != 1.0 else ()
         return LogitsRules(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
                            p.min_tokens, stop_ids, prompt_ids, tuple(req.output_token_ids))
 
-    def _run_speculation(self, plan: StepPlan) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+    def _run_speculation(self, plan: StepPlan, sampling: dict[str, SamplingRow]
+                         ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens (and their q rows) per request id; empty when nothing speculates."""
         rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
         if not rows or self.draft is None:
             return {}
         propose_rows = [
             ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
-                       self._sampling(r))
+                       sampling[r.req_id])
             for r in rows
         ]
         try:
@@ -323,7 +325,7 @@ class Engine:
             for i, r in enumerate(rows)
         }
 
-    def _run_target(self, plan: StepPlan, drafts: dict) -> VerifyResult | None:
+    def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> VerifyResult | None:
         rows, probs = [], None
         if any(q is not None for _, q in drafts.values()):
             some_q = next(q for _, q in drafts.values() if q is not None)
@@ -333,7 +335,7 @@ class Engine:
             # The prompt is scored when it is first fed (not again after a preemption's recompute).
             score_prompt = r.params.prompt_logprobs if r.target_len == 0 and r.prompt_logprobs is None else None
             rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len),
-                                  tuple(toks), self._sampling(r), r.params.logprobs, score_prompt))
+                                  tuple(toks), sampling[r.req_id], r.params.logprobs, score_prompt))
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []

@@ -12,6 +12,7 @@ Token layout of a running request (``tokens = prompt + output``):
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -86,6 +87,11 @@ class Request:
     # Set once the target scored the prompt (params.prompt_logprobs), handed out with the next output.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+
+    @functools.cached_property
+    def distinct_prompt_ids(self) -> tuple[int, ...]:
+        """The prompt's ids, each once, sorted (what a repetition penalty reads every step)."""
+        return tuple(sorted(set(self.prompt_token_ids)))
 
     @property
     def tokens(self) -> list[int]:

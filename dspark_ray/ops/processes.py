@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 
 LOOPBACK = "127.0.0.1"
@@ -56,3 +58,31 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 5) -> None:
         proc.wait(5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def stop_serve_run(proc: subprocess.Popen | None, port: int, grace_s: float = 5) -> None:
+    """Tear down a ``serve run`` started against a Ray head this process owns.
+
+    Deletes the applications (``serve.shutdown``, bounded to 60 s so a stuck
+    controller cannot hang the teardown), stops ``serve run``, shuts down the
+    Ray head (and with it every worker), then waits for the HTTP port.
+    """
+    import ray
+    from ray import serve
+
+    def shutdown() -> None:
+        try:
+            serve.shutdown()
+        except Exception as exc:  # noqa: BLE001 - teardown goes on regardless
+            print(f"serve.shutdown failed: {exc!r}", file=sys.stderr)
+
+    try:
+        if ray.is_initialized():
+            t = threading.Thread(target=shutdown, daemon=True)
+            t.start()
+            t.join(60)
+    finally:
+        if proc is not None:
+            stop_process(proc, grace_s)
+        ray.shutdown()
+        wait_port_free(port)

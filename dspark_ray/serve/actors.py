@@ -55,9 +55,9 @@ class RayTarget:
     read as they arrive, and the first failure fails the step.
     """
 
-    def __init__(self, shards: list, kv_capacity: int, channels: list[Channel], call_timeout_s: float,
+    def __init__(self, kv_capacity: int, channels: list[Channel], call_timeout_s: float,
                  timeline: StepTimeline | None = None) -> None:
-        self.shards, self.channels = shards, channels
+        self.channels = channels
         self._kv_capacity = kv_capacity
         self.call_timeout_s = call_timeout_s
         self.timeline = timeline
@@ -245,7 +245,7 @@ class ReplicaServices:
         addr, port = ray.get(self.shards[0].address.remote())
         capacities = ray.get([s.setup.remote(addr, port) for s in self.shards])
         channels = [open_channel(s, f"target rank {r}", self.call_timeout_s) for r, s in enumerate(self.shards)]
-        return RayTarget(self.shards, min(capacities), channels, self.call_timeout_s, self.timeline)
+        return RayTarget(min(capacities), channels, self.call_timeout_s, self.timeline)
 
     def rebuild_target(self) -> RayTarget:
         """Replace every target shard with a fresh one (empty KV, a new group)."""

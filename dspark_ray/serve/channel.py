@@ -161,10 +161,8 @@ class Channel:
         return self.receive(timeout_s)
 
     def fileno(self) -> int:
+        """So that ``multiprocessing.connection.wait`` can wait on channels directly."""
         return self._conn.fileno()
-
-    def ready(self) -> bool:
-        return self._conn.poll(0)
 
     def close(self) -> None:
         try:
@@ -186,15 +184,13 @@ def gather(channels: Sequence[Channel], timeout_s: float) -> list[tuple[object, 
     """
     deadline = time.monotonic() + timeout_s
     replies: dict[int, tuple[object, float]] = {}
-    by_conn = {ch._conn: i for i, ch in enumerate(channels)}  # noqa: SLF001
-    while len(replies) < len(channels):
-        left = deadline - time.monotonic()
-        pending = [c for c, i in by_conn.items() if i not in replies]
-        ready = wait(pending, timeout=max(0.0, left))
+    index = {id(ch): i for i, ch in enumerate(channels)}
+    pending = list(channels)
+    while pending:
+        ready = wait(pending, timeout=max(0.0, deadline - time.monotonic()))  # Channels have fileno()
         if not ready:
-            slow = [channels[by_conn[c]].name for c in pending]
-            raise ChannelTimeout(f"no reply within {timeout_s:.1f}s from {', '.join(slow)}")
-        for conn in ready:
-            i = by_conn[conn]
-            replies[i] = channels[i].receive(0)
+            raise ChannelTimeout(f"no reply within {timeout_s:.1f}s from {', '.join(ch.name for ch in pending)}")
+        for ch in ready:
+            replies[index[id(ch)]] = ch.receive(0)
+            pending.remove(ch)
     return [replies[i] for i in range(len(channels))]

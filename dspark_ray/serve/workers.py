@@ -94,6 +94,3 @@ class DraftWorker(_ChannelWorker):
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
         return self.proposer.propose(rows)
-
-    def ping(self) -> bool:
-        return True
