@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,6 +157,52 @@ class ProposalLog:
         for drafts in proposal.draft_token_ids:
             self.token_ids += drafts
         return proposal
+
+
+class ThreadedService:
+    """A real in-process service whose ``propose_async``/``step_async`` run on a thread of its own.
+
+    It gives an in-process engine what the Ray facades give it (a call sent now
+    and collected later), so the pipelined engine runs, really overlapped,
+    without a cluster. Every call's (name, start, end) is kept in ``calls``;
+    ``fail_on`` maps a method name to the call numbers (1-based) that raise.
+    """
+
+    def __init__(self, inner, fail_on: dict[str, set[int]] | None = None) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, float, float]] = []
+        self.fail_on = fail_on or {}
+        self._counts: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _run(self, name: str, *args):
+        self._counts[name] = self._counts.get(name, 0) + 1
+        start = time.perf_counter()
+        try:
+            if self._counts[name] in self.fail_on.get(name, ()):
+                raise RuntimeError(f"injected failure of {name} call {self._counts[name]}")
+            return getattr(self.inner, name)(*args)
+        finally:
+            self.calls.append((name, start, time.perf_counter()))
+
+    def propose_async(self, rows):
+        return self._pool.submit(self._run, "propose", rows)
+
+    def step_async(self, batch):
+        return self._pool.submit(self._run, "step", batch)
+
+
+def make_pipelined_engine(target: Path, draft: Path, fail_on: dict[str, set[int]] | None = None,
+                          **config) -> Engine:
+    """``make_engine`` with its draft and target behind ``ThreadedService``: the engine pipelines."""
+    plain = make_engine(target, draft, **config)
+    engine = Engine(plain.config, plain.tokenizer, plain.slots, ThreadedService(plain.target, fail_on),
+                    ThreadedService(plain.draft, fail_on))
+    assert engine.pipelined
+    return engine
 
 
 # -- driving an engine -------------------------------------------------------------------------

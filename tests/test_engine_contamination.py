@@ -29,6 +29,7 @@ from engine_fixtures import (  # noqa: F401 - fixtures
     assert_drained,
     collect,
     make_engine,
+    make_pipelined_engine,
     solo,
     tiny_models,
 )
@@ -126,11 +127,18 @@ def check_slots(engine, seen: Observed) -> None:
         assert lease is not None and (lease.slot, lease.epoch) == (slot, engine.requests[req_id].epoch)
 
 
-@pytest.mark.parametrize("seed, rules", [(0, False), (1, False), (2, True)])
-def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules):
-    """With ``rules`` requests also carry penalties, logit_bias, min_tokens, min_p and ask for logprobs."""
+@pytest.mark.parametrize("seed, rules, pipelined", [(0, False, False), (1, False, False), (2, True, False),
+                                                    (0, False, True), (2, True, True)])
+def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules, pipelined):
+    """With ``rules`` requests also carry penalties, logit_bias, min_tokens, min_p and ask for logprobs.
+
+    ``pipelined``: the engine drafts one half of the batch while it verifies
+    the other (draft and target on threads of their own, as behind Ray), and
+    every request must still produce what it produces alone in a sequential engine.
+    """
     schedule = random_schedule(seed, rules)
-    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], **CONFIG)
+    build = make_pipelined_engine if pipelined else make_engine
+    engine = build(tiny_models.target, tiny_models.drafts["near"], **CONFIG)
     results, seen = drive(engine, schedule)
 
     # The schedule really exercised what it claims to.

@@ -143,3 +143,30 @@ def test_shipped_target_matches_transformers():
 
 def test_shipped_draft_matches_transformers():
     _shipped_parity(shipped(SHIPPED_DRAFT, "config.json"))
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2", "llama-bias", "qwen3-bias-head-dim"])
+def test_fused_projections_change_nothing_but_the_matmul_count(make_checkpoint, case):
+    """``load`` fuses q/k/v and gate/up into one matmul each: same logits as the per-projection
+    path, the same state dict (names, values, no extra memory), and the projections' parameters
+    are views of the fused weight, so an in-place update of one is seen by both paths."""
+    from dspark_ray.model.llama import SelfAttention
+
+    architecture, overrides = CASES[case]
+    folder, _ = make_checkpoint(architecture, **overrides)
+    fused = load(folder, dtype="float32")
+    attn = fused.model.layers[0].self_attn
+    assert attn.fused_qkv is not None and fused.model.layers[0].mlp.fused_gate_up is not None
+    plain = load(folder, dtype="float32")
+    for layer in plain.model.layers:  # back to the per-projection path
+        layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(fused.state_dict()[k], v) for k, v in plain.state_dict().items())
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.fused_qkv.weight.untyped_storage().data_ptr()
+    ids = torch.randint(0, fused.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), plain(ids), rtol=0, atol=1e-5)
+        attn.v_proj.weight.mul_(0.5)  # an in-place change through the parameter
+        plain.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
+        torch.testing.assert_close(fused(ids), plain(ids), rtol=0, atol=1e-5)
+    assert SelfAttention.fused_qkv is None  # a model built without ``load`` keeps separate matmuls

@@ -22,6 +22,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # target tokens fed per step
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"
+    # Overlap one half of the batch's draft with the other half's verification when the
+    # draft and the target run in other processes (Engine docstring); no effect in process.
+    pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:

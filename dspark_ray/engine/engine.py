@@ -27,6 +27,23 @@ step:
 
 Speculation is only an accelerator: if the draft service fails, the step runs
 without drafts and output is unchanged.
+
+NOTE: pipelined steps. When the draft and the target run in other processes
+(services with ``propose_async``/``step_async``: the Ray actors), the draft
+would idle while the target verifies and the target while the draft
+proposes. A pipelined engine keeps the batch in two halves and every ``step``
+does both at once: it verifies the half drafted in the previous step while
+it drafts the other half (scheduled, leased and sampled now), then commits
+the verified half. A request is in at most one call at a time, so its
+draft and target lengths are always those its last commit left; it
+speculates and samples exactly as in the sequential engine (randomness is
+a function of seed and position), so output is the same. A drafted request
+is not preempted before its verification (its KV need is held for it), and
+one that ends in between (abort) is dropped from the verification. Both
+calls are always collected before ``step`` returns, so between steps nothing
+is in flight. New requests join the half being drafted; the halves are
+balanced (neither takes more than half of the runnable requests), and with a
+single request the steps simply alternate between drafting and verifying it.
 """
 
 from __future__ import annotations
@@ -55,7 +72,7 @@ from dspark_ray.engine.interfaces import (
     VerifyRow,
 )
 from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
-from dspark_ray.engine.request import FinishReason, Request
+from dspark_ray.engine.request import FinishReason, Request, Status
 from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from dspark_ray.slots import SlotLease, SlotsExhausted
@@ -73,6 +90,16 @@ class StepTimings:
     verify: float = 0.0
     commit: float = 0.0
     rows: int = 0
+
+
+@dataclass
+class _Drafted:
+    """The half of the batch drafted in the last pipelined step, to verify in the next."""
+
+    plan: StepPlan
+    sampling: dict[str, SamplingRow]
+    drafts: dict[str, tuple[list[int], torch.Tensor | None]]
+    reserved: dict[str, int]  # req_id -> KV tokens its verification may add
 
 
 @dataclass
@@ -120,6 +147,11 @@ class Engine:
         # slot or SLOT_RETRY_S passes (another replica may free one), instead of asking every step.
         self._admissions_paused_until = 0.0
         self.target_error: Exception | None = None  # set when a target step failed; see reset_target
+        # Pipelined steps (module docstring) when both remote services can take a call and
+        # return before it is done.
+        self.pipelined = (config.pipeline and draft is not None and hasattr(draft, "propose_async")
+                          and hasattr(target, "step_async"))
+        self._drafted: _Drafted | None = None
 
     # -- requests ------------------------------------------------------------
 
@@ -216,6 +248,7 @@ class Engine:
         """End every request in flight with an error (the target lost its KV, say); nothing leaks."""
         for req_id in list(self.requests):
             self.abort(req_id, FinishReason.ERROR, error=error)
+        self._drafted = None
 
     def reset_target(self, target: TargetService) -> None:
         """Swap in a rebuilt target (after a shard died). Call only with no request holding a slot."""
@@ -223,6 +256,7 @@ class Engine:
         self.target = target
         self._release_target = []
         self.target_error = None
+        self._drafted = None
 
     def take_pending(self) -> list[RequestOutput]:
         """Outputs produced outside a step (aborts), without stepping."""
@@ -237,6 +271,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that progressed or ended."""
+        if self.pipelined:
+            return self._pipelined_step()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(admit=time.monotonic() >= self._admissions_paused_until)
@@ -313,12 +349,8 @@ class Engine:
         ]
         try:
             proposal: Proposal = self.draft.propose(propose_rows)
-        except Exception:  # speculation is optional: run the step without drafts
-            log.exception("draft proposer failed; running this step without speculation")
-            self.counters.draft_failures += 1
-            for r in rows:
-                r.draft_len = 0  # its cache state is unknown now: catch up from scratch next time
-            return {}
+        except Exception as exc:  # noqa: BLE001 - speculation is optional: run the step without drafts
+            return self._draft_failed(rows, exc)
         probs = proposal.draft_probs
         return {
             r.req_id: (proposal.draft_token_ids[i], None if probs is None else probs[i])
@@ -326,6 +358,15 @@ class Engine:
         }
 
     def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> VerifyResult | None:
+        batch = self._target_batch(plan, drafts, sampling)
+        try:
+            return self.target.step(batch)
+        except Exception as exc:
+            self._target_failed(exc, batch.release_slots)
+            return None
+
+    def _target_batch(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> TargetStep:
+        """The target call for ``plan``'s rows; takes the pending target releases along."""
         rows, probs = [], None
         if any(q is not None for _, q in drafts.values()):
             some_q = next(q for _, q in drafts.values() if q is not None)
@@ -339,18 +380,134 @@ class Engine:
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []
-        try:
-            return self.target.step(TargetStep(rows, probs, release))
-        except Exception as exc:
-            # The target's KV can no longer be trusted: every request holding a slot
-            # ends with an error; waiting ones stay queued for a rebuilt target.
-            log.exception("target step failed; ending every request that holds target KV")
-            self.target_error = exc
-            # Those slots' KV still has to go (a retried release is harmless: it frees what is held).
-            self._release_target[:0] = release
-            for r in [r for r in self.requests.values() if r.holds_slot]:
-                self.abort(r.req_id, FinishReason.ERROR, error=f"target failed: {exc}")
+        return TargetStep(rows, probs, release)
+
+    def _target_failed(self, exc: Exception, release: list[int]) -> None:
+        """The target's KV can no longer be trusted: every request holding a slot
+        ends with an error; waiting ones stay queued for a rebuilt target."""
+        log.error("target step failed; ending every request that holds target KV", exc_info=exc)
+        self.target_error = exc
+        # Those slots' KV still has to go (a retried release is harmless: it frees what is held).
+        self._release_target[:0] = release
+        self._drafted = None
+        for r in [r for r in self.requests.values() if r.holds_slot]:
+            self.abort(r.req_id, FinishReason.ERROR, error=f"target failed: {exc}")
+
+    # -- pipelined steps (module docstring) -----------------------------------------
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        drafted = self._take_drafted()
+        busy = {r.req_id for r in drafted.plan.rows} if drafted else set()
+        plan = self.scheduler.schedule(
+            admit=time.monotonic() >= self._admissions_paused_until, busy=busy,
+            reserved=sum(drafted.reserved.values()) if drafted else 0, max_rows=self._half_rows(len(busy)))
+        self.counters.preemptions += len(plan.preempted)
+        self._release_target.extend(r.slot for r in plan.preempted)
+        self._lease_slots(plan)
+        t1 = time.perf_counter()
+        if not plan.rows and drafted is None:
+            self._flush_releases()
+            return outputs
+        sampling = {r.req_id: self._sampling(r) for r in plan.rows}
+        reserved = {r.req_id: self.scheduler.need(r) for r in plan.rows}
+        # Both calls go out before either is waited for.
+        proposing = self._propose_async(plan, sampling)
+        verifying = batch = None
+        if drafted is not None:
+            batch = self._target_batch(drafted.plan, drafted.drafts, drafted.sampling)
+            try:
+                verifying = self.target.step_async(batch)
+            except Exception as exc:  # noqa: BLE001 - the send itself failed
+                verifying = exc
+        result = None
+        if isinstance(verifying, Exception):
+            error = verifying
+        else:
+            error = None
+            if verifying is not None:
+                try:
+                    result = verifying.result()
+                except Exception as exc:  # noqa: BLE001 - handled below, after the draft's reply is read
+                    error = exc
+        t2 = time.perf_counter()
+        drafts = self._collect_proposal(proposing)
+        t3 = time.perf_counter()
+        if error is not None:
+            self._target_failed(error, batch.release_slots)
+        else:
+            if drafted is not None:
+                outputs += self._commit(drafted.plan, drafted.drafts, result)
+            live = [r for r in plan.rows if not r.finished]
+            if live:
+                plan.rows = live
+                self._drafted = _Drafted(plan, sampling, drafts, {r.req_id: reserved[r.req_id] for r in live})
+        self._flush_releases()
+        t4 = time.perf_counter()
+        # In a pipelined step propose and verify overlap: "verify" is the target call's wall
+        # time, "propose" only the wait for the draft beyond it.
+        self.timings = StepTimings(t1 - t0, t3 - t2, t2 - t1, t4 - t3, len(plan.rows) + len(busy))
+        self.counters.steps += 1
+        return outputs
+
+    def _take_drafted(self) -> _Drafted | None:
+        """Last step's drafted half, without the requests that ended since."""
+        drafted, self._drafted = self._drafted, None
+        if drafted is None:
             return None
+        rows = [r for r in drafted.plan.rows if r.status is Status.RUNNING]
+        if not rows:
+            return None
+        drafted.plan.rows = rows
+        keep = {r.req_id for r in rows}
+        drafted.reserved = {k: v for k, v in drafted.reserved.items() if k in keep}
+        return drafted
+
+    def _half_rows(self, busy: int) -> int:
+        """Rows the half drafted now may take: half of the runnable requests (at least one)."""
+        runnable = len(self.scheduler.running) - busy + len(self.scheduler.waiting)
+        total = min(busy + runnable, self.config.max_num_seqs)
+        return max(0, min(-(-total // 2), self.config.max_num_seqs - busy)) if busy else max(1, -(-total // 2))
+
+    def _propose_async(self, plan: StepPlan, sampling: dict[str, SamplingRow]):
+        """Send the draft call for ``plan``'s speculating rows: (rows, pending call or the send's error)."""
+        rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
+        if not rows:
+            return None
+        propose_rows = [
+            ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
+                       sampling[r.req_id])
+            for r in rows
+        ]
+        try:
+            return rows, self.draft.propose_async(propose_rows)
+        except Exception as exc:  # noqa: BLE001 - e.g. DraftUnavailable: handled with the reply
+            return rows, exc
+
+    def _collect_proposal(self, proposing) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        if proposing is None:
+            return {}
+        rows, pending = proposing
+        try:
+            if isinstance(pending, Exception):
+                raise pending
+            proposal: Proposal = pending.result()
+        except Exception as exc:  # noqa: BLE001 - speculation is optional
+            return self._draft_failed(rows, exc)
+        probs = proposal.draft_probs
+        return {
+            r.req_id: (proposal.draft_token_ids[i], None if probs is None else probs[i])
+            for i, r in enumerate(rows)
+        }
+
+    def _draft_failed(self, rows: list[Request], exc: Exception) -> dict:
+        """These rows run without drafts this time; their draft caches are rebuilt from scratch."""
+        log.error("draft proposer failed; running without speculation", exc_info=exc)
+        self.counters.draft_failures += 1
+        for r in rows:
+            r.draft_len = 0  # its cache state is unknown now: catch up from scratch next time
+        return {}
 
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []

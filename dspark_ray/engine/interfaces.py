@@ -2,7 +2,9 @@
 
 The engine drives one step as: slot service (admissions and releases, one
 call each) -> draft service (one ``propose`` call) -> target service (one
-``step`` call). In one process these are plain objects; the serving layer puts
+``step`` call); services that can run calls elsewhere also offer
+``propose_async``/``step_async``, and then the engine overlaps one half of
+the batch's draft with the other half's verification. In one process these are plain objects; the serving layer puts
 each behind Ray actors with the same methods, so the engine does not change.
 
 Randomness is stateless: every random draw for a request is derived from
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.slots import SlotLease, SyncResult
+
+T = TypeVar("T", covariant=True)
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,24 @@ class SlotService(Protocol):
         ...
 
 
+class Pending(Protocol[T]):
+    """A call that was sent and runs elsewhere; ``result`` waits for it (and raises what it raised)."""
+
+    def result(self) -> T: ...
+
+
 class DraftService(Protocol):
     def propose(self, rows: list[ProposeRow]) -> Proposal: ...
+
+    # Optional: ``propose_async(rows) -> Pending[Proposal]``. A draft service and a target
+    # service that both have it run in other processes, and the engine pipelines its steps
+    # (Engine docstring): one half of the batch is drafted while the other half is verified.
 
 
 class TargetService(Protocol):
     def step(self, batch: TargetStep) -> VerifyResult: ...
+
+    # Optional: ``step_async(batch) -> Pending[VerifyResult]`` (see DraftService).
 
     def release(self, slots: list[int]) -> None: ...
 

@@ -17,6 +17,7 @@ more while a step runs (the unseen tokens plus k drafts).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from dspark_ray.engine.request import Request, Status
@@ -52,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rotation = 0
+        self._busy: Collection[str] = ()  # the other half's rows while a pipelined plan is made
 
     # -- queue changes ---------------------------------------------------------
 
@@ -96,22 +98,31 @@ class Scheduler:
         room = min(req.remaining_tokens() - 1, self.config.max_context - req.num_tokens - 1)
         return max(0, min(req.num_spec_tokens, room))
 
-    def _need(self, req: Request) -> int:
+    def need(self, req: Request) -> int:
         """Extra KV tokens ``req`` needs while this step runs."""
         return req.num_tokens - req.target_len + self.spec_tokens_for(req)
 
-    def schedule(self, admit: bool = True) -> StepPlan:
-        """Plan one step. ``admit=False`` takes no new request (no slot is free), only resumptions."""
+    def schedule(self, admit: bool = True, busy: Collection[str] = (), reserved: int = 0,
+                 max_rows: int | None = None) -> StepPlan:
+        """Plan one step. ``admit=False`` takes no new request (no slot is free), only resumptions.
+
+        For a pipelined engine (two halves of the batch in flight at once):
+        ``busy`` are the ids of running requests planned in the other half, which this
+        plan neither takes nor preempts; ``reserved`` the KV tokens they hold
+        on top of ``target_len`` while in flight; ``max_rows`` caps this half.
+        """
         plan = StepPlan()
         cfg = self.config
-        kv_free = cfg.kv_pool_tokens - self.kv_in_use()
+        kv_free = cfg.kv_pool_tokens - self.kv_in_use() - reserved
+        max_rows = cfg.max_num_seqs if max_rows is None else min(max_rows, cfg.max_num_seqs)
+        self._busy = busy
         tokens = 0
         for req in self._rotated_running():
-            if len(plan.rows) >= cfg.max_num_seqs:
+            if len(plan.rows) >= max_rows:
                 break
-            if req.status is not Status.RUNNING:  # preempted earlier in this step: it waits
+            if req.status is not Status.RUNNING or req.req_id in busy:  # preempted earlier in this step: it waits
                 continue
-            need = self._need(req)
+            need = self.need(req)
             while need > kv_free and (freed := self._preempt_one(plan, protect=req)) is not None:
                 kv_free += freed  # the rows planned so far keep what they reserved
             if need > kv_free:
@@ -119,11 +130,11 @@ class Scheduler:
             kv_free -= need
             tokens += need
             plan.rows.append(req)
-        while self.waiting and len(plan.rows) < cfg.max_num_seqs and not plan.preempted:
+        while self.waiting and len(plan.rows) < max_rows and not plan.preempted:
             req = self.waiting[0]
             if req.status is Status.WAITING and not admit:
                 break
-            need = self._need(req)
+            need = self.need(req)
             if need > kv_free or (plan.rows and tokens + need > cfg.max_num_batched_tokens):
                 break
             self.waiting.popleft()
@@ -150,7 +161,7 @@ class Scheduler:
         Returns the KV tokens it frees, or None when there is no victim.
         """
         for victim in reversed(self.running):
-            if victim is protect or victim in plan.rows:
+            if victim is protect or victim in plan.rows or victim.req_id in self._busy:
                 continue
             freed = victim.target_len
             self.running.remove(victim)

@@ -70,11 +70,14 @@ class PagedAttention:
         n_rep = q.shape[2] // k.shape[2]
         keys = k_pool[self.key_index].transpose(1, 2)  # [B, Hkv, L, D]
         values = v_pool[self.key_index].transpose(1, 2)
-        if n_rep > 1:
+        gqa = {}
+        if n_rep > 1 and q.is_cuda:  # the pinned CUDA kernels take equal head counts
             keys = keys.repeat_interleave(n_rep, dim=1)
             values = values.repeat_interleave(n_rep, dim=1)
+        elif n_rep > 1:  # on CPU the kernel shares each K/V head itself, without the copies
+            gqa = {"enable_gqa": True}
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=self.mask)
+                                             attn_mask=self.mask, **gqa)
         return out.transpose(1, 2)  # [B, T, Hq, D]
 
 

@@ -24,7 +24,7 @@ from dspark_ray.model.errors import (
     TensorShapeMismatch,
     UnsupportedDtype,
 )
-from dspark_ray.model.llama import CausalLM, rope_inv_freq
+from dspark_ray.model.llama import CausalLM, fuse_projections, rope_inv_freq
 from dspark_ray.model.tp import TensorParallel, shard, shard_slice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,7 +126,7 @@ def load(
     # they carry 3 significant digits and angles drift visibly by position ~100.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     _fill_parameters(model, files, path)
-    return model.eval().requires_grad_(False)
+    return fuse_projections(model.eval().requires_grad_(False))
 
 
 def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:

@@ -48,6 +48,25 @@ def open_channel(actor, name: str, timeout_s: float) -> Channel:
     return Channel(address, key, name)
 
 
+class Deferred:
+    """A call already sent: ``result()`` waits for its reply (``Pending`` in engine/interfaces.py)."""
+
+    def __init__(self, receive) -> None:
+        self._receive = receive
+
+    def result(self):
+        return self._receive()
+
+
+def _replies_pending(channels: list[Channel]) -> bool:
+    """True if some reply has not arrived yet, so the wait for it measures the call's wall time.
+
+    (A reply that already waits to be read, as when the engine first read the
+    other service's reply, says nothing about transport: its time is not counted.)
+    """
+    return any(not ch.ready() for ch in channels)
+
+
 class RayTarget:
     """TargetService over all ranks: each step is sent to every rank's channel at once.
 
@@ -66,8 +85,19 @@ class RayTarget:
         return self._kv_capacity
 
     def step(self, batch: TargetStep) -> VerifyResult:
+        return self.step_async(batch).result()
+
+    def step_async(self, batch: TargetStep) -> Deferred:
+        """Send the step to every rank now; ``result()`` reads the replies."""
         start = time.perf_counter()
-        replies = self._call_all(encode("step", batch))
+        payload = encode("step", batch)
+        for channel in self.channels:
+            channel.send_bytes(payload)
+        return Deferred(lambda: self._step_result(start))
+
+    def _step_result(self, start: float) -> VerifyResult:
+        waited = _replies_pending(self.channels)
+        replies = gather(self.channels, self.call_timeout_s)
         results = [result for (result, _), _ in replies]
         if any(r != results[0] for r in results[1:]):
             raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
@@ -75,7 +105,8 @@ class RayTarget:
             compute = max(seconds for _, seconds in replies)
             self.timeline.add("target.compute", compute)
             self.timeline.add("target.collective", replies[0][0][1])
-            self.timeline.add("target.transport", time.perf_counter() - start - compute)
+            if waited:
+                self.timeline.add("target.transport", time.perf_counter() - start - compute)
         return results[0]
 
     def release(self, slots: list[int]) -> None:
@@ -109,19 +140,38 @@ class RayDraft:
         self._connect(block=True)
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
+        return self.propose_async(rows).result()
+
+    def propose_async(self, rows: list[ProposeRow]) -> Deferred:
+        """Send the proposal call now; ``result()`` reads the reply."""
         if self._channel is None and not self._connect(block=False):
             raise DraftUnavailable("the draft worker is restarting")
         start = time.perf_counter()
+        channel = self._channel
         try:
-            proposal, compute = self._channel.call("propose", rows, timeout_s=self.call_timeout_s)
+            channel.send("propose", rows)
         except ChannelError:
-            self._channel.close()
-            self._channel = None
+            self._drop(channel)
+            raise
+        return Deferred(lambda: self._proposal(channel, start))
+
+    def _proposal(self, channel: Channel, start: float) -> Proposal:
+        waited = _replies_pending([channel])
+        try:
+            proposal, compute = channel.receive(self.call_timeout_s)
+        except ChannelError:
+            self._drop(channel)
             raise
         if self.timeline is not None:
             self.timeline.add("draft.compute", compute)
-            self.timeline.add("draft.transport", time.perf_counter() - start - compute)
+            if waited:
+                self.timeline.add("draft.transport", time.perf_counter() - start - compute)
         return proposal
+
+    def _drop(self, channel: Channel) -> None:
+        channel.close()
+        if self._channel is channel:
+            self._channel = None
 
     def _connect(self, block: bool) -> bool:
         """Open the channel; without ``block`` only if the worker already answered. True when open."""

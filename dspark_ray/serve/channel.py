@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,18 @@ class ChannelServer:
 
     It listens until one client passes the key challenge, stops listening,
     and serves that connection until it closes. A worker opens one server per
-    connection it is asked for (one per engine lane of the replica); ``lock``
-    is shared by them and held around every call, so calls from several
-    connections and Ray method calls on the worker's main thread run one at a
-    time and see consistent state.
+    connection it is asked for. Every call goes through ``run(fn, *args)``,
+    which returns ``fn(*args)`` and the seconds ``fn`` itself took: by default
+    on this server's thread under a lock of its own; a worker passes its
+    ``TorchThread.run`` instead, so that calls from several connections and
+    the worker's Ray method calls run one at a time, on one thread.
     """
 
-    def __init__(self, handler: object, host: str, authkey: bytes, lock: threading.Lock | None = None) -> None:
+    def __init__(self, handler: object, host: str, authkey: bytes,
+                 run: Callable[..., tuple[object, float]] | None = None) -> None:
         self.handler = handler
-        self.lock = lock or threading.Lock()
+        self._lock = threading.Lock()
+        self._run = run or self._run_locked
         self._closed = False
         self._listener = Listener((host, 0), authkey=authkey, backlog=4)
         self.address: tuple[str, int] = self._listener.address
@@ -105,18 +108,21 @@ class ChannelServer:
                 method, args = conn.recv()
             except (EOFError, OSError):
                 return
-            with self.lock:  # the reported seconds exclude waiting for another connection's call
-                start = time.perf_counter()
-                try:
-                    reply = (_OK, getattr(self.handler, method)(*args), time.perf_counter() - start)
-                except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
-                    reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()),
-                             time.perf_counter() - start)
+            try:
+                value, seconds = self._run(getattr(self.handler, method), *args)
+                reply = (_OK, value, seconds)
+            except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
+                reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()), 0.0)
             try:
                 conn.send(reply)
             except (OSError, pickle.PicklingError) as exc:
                 log.warning("channel reply failed: %r", exc)
                 return
+
+    def _run_locked(self, fn: Callable, *args) -> tuple[object, float]:
+        with self._lock:  # the reported seconds exclude waiting for another connection's call
+            start = time.perf_counter()
+            return fn(*args), time.perf_counter() - start
 
     def close(self) -> None:
         self._closed = True
@@ -159,6 +165,13 @@ class Channel:
     def call(self, method: str, *args, timeout_s: float):
         self.send(method, *args)
         return self.receive(timeout_s)
+
+    def ready(self) -> bool:
+        """A reply (or the end of the connection) is waiting to be read."""
+        try:
+            return self._conn.poll(0)
+        except (EOFError, OSError):
+            return True
 
     def fileno(self) -> int:
         """So that ``multiprocessing.connection.wait`` can wait on channels directly."""

@@ -68,6 +68,10 @@ class AppConfig(BaseModel):
         120.0, gt=0, description="Deadline for one step's call to a target shard or the draft worker; a worker "
         "that has not answered by then is treated as failed (the target is rebuilt, the draft skipped).",
     )
+    pipeline: bool = Field(
+        True, description="Draft one half of the batch while the target verifies the other (engine/engine.py: "
+        "pipelined steps); false runs draft and verification of the whole batch one after the other.",
+    )
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted HTTP request body.")
     api_key: str | None = Field(
         None, description="If set, the OpenAI routes require `Authorization: Bearer <api_key>`."
@@ -113,4 +117,5 @@ class AppConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             dtype=self.dtype,
             device=self.device,
+            pipeline=self.pipeline,
         )

@@ -9,13 +9,18 @@ Phases (per engine step unless noted):
 
 - ``step``           the whole ``Engine.step`` call
 - ``schedule``       scheduling and slot leases (the slot manager is called only on admissions)
-- ``propose``        the draft call as the engine sees it
+- ``propose``        the draft call as the engine sees it; in a pipelined step
+                     (engine/engine.py), which verifies one half of the batch
+                     while it drafts the other, only the wait for the draft
+                     beyond the target call
 - ``verify``         the target call as the engine sees it
 - ``commit``         appending tokens, stop checks, releases
 - ``deliver``        handing the step's outputs to the waiting streams (asyncio queues)
 - ``loop``           one pass of the engine loop: inbox, maintenance, step, deliver, metrics
 - ``draft.compute``  time inside the draft worker's ``propose``
 - ``draft.transport``  ``propose`` as seen by the engine minus the worker's own time
+                     (not counted for a reply that was already waiting when the
+                     engine came to read it)
 - ``target.compute`` time inside the target shards' ``step`` (the slowest rank)
 - ``target.collective``  of that, time in all-reduces (rank 0)
 - ``target.transport``   ``verify`` minus the slowest rank's own time

@@ -16,6 +16,7 @@ a new request reads none of its previous owner's ring.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Positions below zero mark padding entries throughout.
 PAD_POSITION = -1
@@ -63,17 +64,13 @@ def window_attention(
     epoch (r >= cache_length) are zeroed before use so that stale or poisoned
     (NaN) contents cannot leak through a zero attention weight.
     """
-    B, T, num_heads, head_dim = q.shape
-    ring, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // kv_heads
+    ring = k_cache.shape[1]
 
     length = cache_lengths[slots]  # [B]
     ring_index = torch.arange(ring, device=q.device)  # [ring]
-    live = ring_index[None, :] < length[:, None]  # [B, ring]
-    k = torch.where(live[:, :, None, None], k_cache[slots].float(), 0.0)  # [B, ring, kvh, D]
-    v = torch.where(live[:, :, None, None], v_cache[slots].float(), 0.0)  # [B, ring, kvh, D]
-    k = k.repeat_interleave(group, dim=2)  # [B, ring, H, D]
-    v = v.repeat_interleave(group, dim=2)  # [B, ring, H, D]
+    live = (ring_index[None, :] < length[:, None])[:, None, :, None]  # [B, 1, ring, 1]
+    k = torch.where(live, k_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
+    v = torch.where(live, v_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
 
     p = positions[:, :, None]  # [B, T, 1]
     key_pos = p - torch.remainder(p - ring_index, ring)  # [B, T, ring]
@@ -83,13 +80,12 @@ def window_attention(
         & (key_pos > p - window)
         & (key_pos < length[:, None, None])
     )  # [B, T, ring]
-
-    scores = torch.einsum("bthd,brhd->bhtr", q.float(), k) * scale  # [B, H, T, ring]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
     any_visible = visible.any(dim=-1)  # [B, T]
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
-    out = torch.einsum("bhtr,brhd->bthd", weights, v)  # [B, T, H, D]
-    out = torch.where(any_visible[:, :, None, None], out, 0.0)
+    # A query that sees nothing attends to everything (a finite softmax) and is zeroed after.
+    mask = visible | ~any_visible[:, :, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[2])  # [B, H, T, D]
+    out = torch.where(any_visible[:, :, None, None], out.transpose(1, 2), 0.0)
     return out.to(q.dtype)
 
 
