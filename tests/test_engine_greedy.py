@@ -347,3 +347,34 @@ def test_shipped_pair_greedy_equals_transformers():
         assert a.token_ids == b.token_ids == ref
     accepted = sum(a.spec.accepted_tokens for a in spec) / sum(a.spec.draft_tokens for a in spec)
     assert accepted > 0.1, f"the trained draft agrees with the trained target on only {accepted:.0%} of drafts"
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_sliding_window_target_past_its_window_equals_transformers(tmp_path, draft):
+    """A Mistral checkpoint with ``sliding_window`` 6, run well past it through the target's paged
+    KV (the served path): every greedy token equals transformers' full-forward greedy token."""
+    from conftest import save_tiny_checkpoint
+    from engine_fixtures import copy_shipped_tokenizer
+
+    window, prompt_len, max_tokens = 6, 10, 24
+    hf = save_tiny_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=window, vocab_size=4096,
+                              eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID,
+                              max_position_embeddings=MAX_CONTEXT)
+    copy_shipped_tokenizer(tmp_path)
+    prompt = [(7 * i) % 4000 + 1 for i in range(prompt_len)]
+
+    def hf_full_greedy() -> list[int]:  # no cache: each token from a full forward of the sequence
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[prompt_len:]
+
+    expected = hf_full_greedy()
+    hf.config.sliding_window = None
+    assert hf_full_greedy() != expected, "the window changes nothing here: the test would prove nothing"
+    engine = make_engine(tmp_path, tmp_path if draft else None, num_speculative_tokens=3, capacity=4,
+                         max_context=MAX_CONTEXT)
+    (got,) = generate(engine, [prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert got.token_ids == expected
+    assert_drained(engine, 1)

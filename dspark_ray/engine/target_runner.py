@@ -106,6 +106,7 @@ class TargetRunner:
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.slot_epoch = [-1] * (capacity + 1)
+        self.sliding_window = cfg.sliding_window
         # On CUDA: the attention's key length is rounded up and its backend pinned (see KEY_BUCKET).
         cuda = self.device.type == "cuda"
         self.key_bucket = KEY_BUCKET if cuda else 1
@@ -200,8 +201,10 @@ class TargetRunner:
             L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
         slots = torch.tensor([r.slot for r in rows])
         key_index = self.table.table[slots.to(dev), :L].long()  # [B, L]
-        key_pos = torch.arange(L)
-        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+        key_pos = torch.arange(L)[None, None, :]
+        mask = (key_pos <= positions[:, :, None]) & (key_pos < lengths[:, None, None])
+        if self.sliding_window is not None:  # Mistral-style: a query at p sees keys p - window < k <= p
+            mask &= key_pos > positions[:, :, None] - self.sliding_window
         attention = PagedAttention(self.k_pools, self.v_pools, write_index.to(dev), key_index,
                                    mask[:, None].to(dev))
         backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
