@@ -35,3 +35,13 @@ def test_two_box_config_uses_only_known_fields():
     args = app_args("dspark-2x-spark.yaml")
     assert set(args) <= set(AppConfig.model_fields), set(args) - set(AppConfig.model_fields)
     assert args["placement_strategy"] == "STRICT_SPREAD" and args["tensor_parallel_size"] == 2
+
+
+def test_step_token_budget_reaches_the_engine():
+    """max_num_batched_tokens is an app setting (the two-box config raises it to its context)."""
+    args = app_args("dspark.yaml")
+    assert AppConfig(**args).engine_config().max_num_batched_tokens == 4096
+    assert AppConfig(**{**args, "max_num_batched_tokens": 8192}).engine_config().max_num_batched_tokens == 8192
+    assert app_args("dspark-2x-spark.yaml")["max_num_batched_tokens"] == app_args("dspark-2x-spark.yaml")["max_context"]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        AppConfig(**{**args, "max_num_batched_tokens": 0})

@@ -49,6 +49,10 @@ class AppConfig(BaseModel):
         None, description="Target KV pool per replica in tokens; null sizes it from capacity and max_context."
     )
     max_num_seqs: int = Field(32, ge=1, description="Requests in one engine step.")
+    max_num_batched_tokens: int = Field(
+        4096, ge=1, description="Target tokens fed per step when admitting requests; a longer prompt still "
+        "runs, alone in its step (no chunked prefill yet).",
+    )
     max_queued_requests: int = Field(
         256, ge=1, description="Requests waiting for a slot per replica before new ones get 503 + Retry-After."
     )
@@ -115,6 +119,7 @@ class AppConfig(BaseModel):
             max_context=self.max_context,
             kv_pool_tokens=self.kv_pool_tokens,
             max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             dtype=self.dtype,
             device=self.device,
             pipeline=self.pipeline,
