@@ -16,6 +16,7 @@ from dspark_ray.engine import SamplingParams
 from engine_fixtures import (  # noqa: F401 - fixtures
     TinyModels,
     assert_drained,
+    collect,
     generate,
     make_engine,
     make_pipelined_engine,
@@ -87,17 +88,48 @@ def test_draft_failure_mid_pipeline_changes_no_output(tiny_models: TinyModels, s
     assert_drained(engine, len(PROMPTS))
 
 
-def test_target_failure_mid_pipeline_ends_requests_and_frees_everything(tiny_models: TinyModels,
-                                                                        sequential_outputs):
-    engine = make_pipelined_engine(tiny_models.target, tiny_models.drafts["near"], fail_on={"step": {5}},
-                                   **CONFIG)
+class FailingTarget:
+    """The real target runner; its step calls numbered in ``fail_on`` (1-based) raise."""
+
+    def __init__(self, inner, fail_on: set[int]) -> None:
+        self.inner, self.fail_on, self.calls = inner, fail_on, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, batch):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError(f"injected failure of step call {self.calls}")
+        return self.inner.step(batch)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_target_failure_loses_no_request(tiny_models: TinyModels, sequential_outputs, pipelined):
+    """A target step fails mid-generation: no request ends; each waits (step() refuses to run),
+    resumes on the replacement target by recomputing its KV, and produces exactly the tokens
+    of an undisturbed run, greedy and sampled alike; nothing leaks."""
+    from dspark_ray.engine.engine import TargetUnavailable
+
+    if pipelined:
+        engine = make_pipelined_engine(tiny_models.target, tiny_models.drafts["near"], fail_on={"step": {5}},
+                                       **CONFIG)
+    else:
+        engine = make_engine(tiny_models.target, tiny_models.drafts["near"], **CONFIG)
+        engine.target = FailingTarget(engine.target, {3})
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
-    results = run_all(engine)
-    assert engine.target_error is not None
-    failed = [results[i] for i in ids if results[i].finish_reason == "error"]
-    assert failed and all("target failed" in r.error for r in failed)
-    assert engine.slots.snapshot().live == ()  # every slot is free again
+    results: dict = {}
+    while engine.target_error is None:
+        collect(engine, results, engine.step())
+    assert not any(r.finished for r in results.values()), "a request ended with the target"
+    assert any(r.token_ids for r in results.values()), "the failure came before any output: resuming proves little"
+    assert engine.counters.target_failures == 1 and engine.counters.resumed_after_target_failure > 0
+    with pytest.raises(TargetUnavailable):
+        engine.step()
     engine.reset_target(engine.target)  # the runner itself is fine: only the call failed
-    again = generate(engine, PROMPTS, PARAMS)
-    assert [g.token_ids for g in again] == [s.token_ids for s in sequential_outputs]
-    assert_drained(engine)
+    run_all(engine, results=results)
+    for i, expected in zip(ids, sequential_outputs):
+        got = results[i]
+        assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text,
+                                                                expected.finish_reason), i
+    assert_drained(engine, len(PROMPTS))

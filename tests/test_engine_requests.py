@@ -399,15 +399,29 @@ class FailingTarget:
         return self.inner.table
 
 
-def test_target_failure_ends_the_requests_holding_kv_and_leaks_nothing(tiny_models):
-    """A finished request's KV release is pending when the target fails; it must still happen."""
+def test_target_failure_loses_no_request_and_leaks_nothing(tiny_models):
+    """A finished request's KV release is pending when the target fails; it must still happen.
+    The running request waits (``step`` refuses to run until ``reset_target``), then resumes by
+    recompute and produces exactly its undisturbed tokens."""
+    from dspark_ray.engine.engine import TargetUnavailable
+
+    alone = generate(make_engine(tiny_models.target, None, capacity=2), [[5, 6, 7]],
+                     SamplingParams(max_tokens=20))[0]
     engine = make_engine(tiny_models.target, None, capacity=2)
     engine.target = FailingTarget(engine.target, fail={3})
     short = engine.add_request(PROMPT, SamplingParams(max_tokens=2))  # ends at step 2: release pending
     long = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20))
-    results = run_all(engine)
+    results = {}
+    while engine.target_error is None:
+        collect(engine, results, engine.step())
     assert results[short].finish_reason == "length" and len(results[short].token_ids) == 2
-    assert results[long].finish_reason == "error" and "target shard died" in results[long].error
+    assert not results[long].finished and engine.requests[long].holds_slot
+    with pytest.raises(TargetUnavailable, match="target shard died"):
+        engine.step()
+    engine.reset_target(engine.target)
+    run_all(engine, results=results)
+    assert results[long].token_ids == alone.token_ids and results[long].finish_reason == "length"
+    assert engine.counters.target_failures == 1 and engine.counters.resumed_after_target_failure == 1
     assert_drained(engine, 2)
     # The same engine keeps serving.
     res = generate(engine, [PROMPT], SamplingParams(max_tokens=5))[0]

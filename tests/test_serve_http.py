@@ -136,3 +136,77 @@ def wait_for_metrics(server: DSparkServer, before: dict, drafts: int, timeout_s:
         if time.monotonic() > deadline:
             return r
         time.sleep(0.05)
+
+
+class FailingTargetServices(LocalServices):
+    """The real in-process services; the target's first step raises an error full of internals.
+    With ``rebuildable=False`` every rebuild fails too (the target never comes back)."""
+
+    LEAK = "ActorID: 9f3c2a pid=4242 /srv/dspark/secret/worker.py"
+
+    def __init__(self, config, rebuildable: bool = True) -> None:
+        super().__init__(config)
+        self.rebuildable = rebuildable
+        real, fired = self.target.step, []
+
+        def step(batch):
+            if not fired:
+                fired.append(True)
+                raise RuntimeError(f"shard died ({self.LEAK})")
+            return real(batch)
+
+        self.target.step = step
+
+    def rebuild_target(self):
+        if not self.rebuildable:
+            raise RuntimeError(f"cannot place the shards ({self.LEAK})")
+        return super().rebuild_target()
+
+
+def failing_server(serve_models, **kwargs) -> DSparkServer:
+    config = AppConfig(model=str(serve_models.target), draft=str(serve_models.draft), tensor_parallel_size=1,
+                       capacity=4, max_context=256, target_recovery_timeout_s=1.5)
+    return DSparkServer(config, services=lambda cfg, app, replica: FailingTargetServices(cfg.engine_config(),
+                                                                                         **kwargs))
+
+
+def test_a_target_failure_mid_request_is_invisible_to_the_client(server, serve_models):
+    """The target fails during a request: the request waits for the rebuilt target and completes
+    with exactly the text of an undisturbed run; /stats counts the recovery."""
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    expected = call(server, "POST", "/v1/completions", body).json()["choices"][0]["text"]
+    srv = failing_server(serve_models)
+    try:
+        r = call(srv, "POST", "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+        streamed = call(srv, "POST", "/v1/completions", {**body, "stream": True})
+        assert streamed.status_code == 200
+        stats = call(srv, "GET", "/stats").json()
+        assert stats["target_failures"] == 1 and stats["resumed_after_target_failure"] == 1
+    finally:
+        srv.shutdown()
+
+
+def test_a_target_that_never_comes_back_ends_requests_with_a_short_error(serve_models, caplog):
+    """Past target_recovery_timeout_s the waiting request ends: a 503 OpenAI error body that says
+    what happened and to retry, with no actor id, pid, path or traceback (those go to the log)."""
+    srv = failing_server(serve_models, rebuildable=False)
+    try:
+        body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        with caplog.at_level("ERROR"):
+            r = call(srv, "POST", "/v1/completions", body)
+            s = call(srv, "POST", "/v1/completions", {**body, "stream": True})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("server_error", "engine_error")
+        assert "target failed" in err["message"] and "retry" in err["message"]
+        assert s.status_code == 200 and '"code": "engine_error"' in s.text  # the stream's error event
+        for text in (r.text, s.text):
+            for internal in ("ActorID", "pid=", "/srv/dspark", "Traceback", "RuntimeError"):
+                assert internal not in text
+        assert FailingTargetServices.LEAK in caplog.text  # the details are in the log
+        health = call(srv, "GET", "/health")
+        assert health.status_code == 503 and "rebuilt" in health.json()["error"]
+    finally:
+        srv.shutdown()

@@ -26,7 +26,11 @@ step:
               their target KV is freed in the next target call.
 
 Speculation is only an accelerator: if the draft service fails, the step runs
-without drafts and output is unchanged.
+without drafts and output is unchanged. If the target fails, no request is
+lost either: the running ones are preempted by recompute (slot, draft cache
+and output kept) and resume on the target that replaces it
+(``reset_target``); randomness being a function of seed and position, they
+produce exactly what they would have.
 
 NOTE: pipelined steps. When the draft and the target run in other processes
 (services with ``propose_async``/``step_async``: the Ray actors), the draft
@@ -81,6 +85,12 @@ from dspark_ray.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+# What a request that a failure ended reports (clients see it; the details are in the log).
+TARGET_FAILED = ("target failed: the target model stopped while this request ran and could not be restarted "
+                 "in time; retry the request")
+ENGINE_FAILED = "engine failed: an internal error ended this request; retry the request"
+
+
 @dataclass
 class StepTimings:
     """Seconds spent in each phase of the last step."""
@@ -102,10 +112,16 @@ class _Drafted:
     reserved: dict[str, int]  # req_id -> KV tokens its verification may add
 
 
+class TargetUnavailable(RuntimeError):
+    """The target failed and has not been replaced yet (``Engine.reset_target``)."""
+
+
 @dataclass
 class EngineCounters:
     steps: int = 0
     draft_failures: int = 0
+    target_failures: int = 0
+    resumed_after_target_failure: int = 0  # requests that lost their KV to a target failure and resumed
     preemptions: int = 0  # requests whose target KV was freed to make room (recomputed later)
     finished: dict[str, int] = field(default_factory=dict)
 
@@ -147,6 +163,7 @@ class Engine:
         # slot or SLOT_RETRY_S passes (another replica may free one), instead of asking every step.
         self._admissions_paused_until = 0.0
         self.target_error: Exception | None = None  # set when a target step failed; see reset_target
+        self.target_failed_at = 0.0  # time.monotonic() of the last target failure
         # Pipelined steps (module docstring) when both remote services can take a call and
         # return before it is done.
         self.pipelined = (config.pipeline and draft is not None and hasattr(draft, "propose_async")
@@ -251,10 +268,11 @@ class Engine:
         self._drafted = None
 
     def reset_target(self, target: TargetService) -> None:
-        """Swap in a rebuilt target (after a shard died). Call only with no request holding a slot."""
-        assert not any(r.holds_slot for r in self.requests.values()), "requests still hold target KV"
+        """Swap in a rebuilt target (after a step failed); the requests that waited resume."""
+        assert not self.scheduler.running, "requests still hold KV on the failed target"
         self.target = target
-        self._release_target = []
+        # _release_target keeps every slot that had KV: the next step frees them on ``target``
+        # (nothing, if it is a fresh one), so the resumed requests bind their slots anew.
         self.target_error = None
         self._drafted = None
 
@@ -271,6 +289,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that progressed or ended."""
+        if self.target_error is not None:
+            raise TargetUnavailable(f"the target failed ({self.target_error!r}); reset_target must replace it")
         if self.pipelined:
             return self._pipelined_step()
         outputs, self._pending = self._pending, []
@@ -383,15 +403,22 @@ class Engine:
         return TargetStep(rows, probs, release)
 
     def _target_failed(self, exc: Exception, release: list[int]) -> None:
-        """The target's KV can no longer be trusted: every request holding a slot
-        ends with an error; waiting ones stay queued for a rebuilt target."""
-        log.error("target step failed; ending every request that holds target KV", exc_info=exc)
+        """The target's KV can no longer be trusted, but no request is lost: every running
+        request is preempted by recompute (it keeps its slot, draft cache and output) and
+        resumes once ``reset_target`` has put in a rebuilt target. Until then ``step`` raises
+        TargetUnavailable. The exception (worker names, ranks, remote tracebacks) goes to
+        the log with the ids of the requests that wait."""
+        waiting = self.scheduler.preempt_all()
+        log.error("target step failed; %d requests wait for a rebuilt target: %s", len(waiting),
+                  [r.req_id for r in waiting], exc_info=exc)
         self.target_error = exc
-        # Those slots' KV still has to go (a retried release is harmless: it frees what is held).
-        self._release_target[:0] = release
+        self.target_failed_at = time.monotonic()
+        self.counters.target_failures += 1
+        self.counters.resumed_after_target_failure += len(waiting)
+        # Every slot's KV goes, on whichever target comes next (a release of what a fresh
+        # target does not hold is harmless); a recomputed request binds its slot anew.
+        self._release_target[:0] = release + [r.slot for r in waiting]
         self._drafted = None
-        for r in [r for r in self.requests.values() if r.holds_slot]:
-            self.abort(r.req_id, FinishReason.ERROR, error=f"target failed: {exc}")
 
     # -- pipelined steps (module docstring) -----------------------------------------
 

@@ -68,6 +68,16 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
+    def preempt_all(self) -> list[Request]:
+        """Every running request back to the front of the queue, in order, its target KV forgotten
+        (the target failed): each keeps its slot, draft cache and output, and resumes by recompute."""
+        victims, self.running = self.running, []
+        for req in reversed(victims):
+            req.status = Status.PREEMPTED
+            req.target_len = 0
+            self.waiting.appendleft(req)
+        return victims
+
     def return_unadmitted(self, reqs: list[Request]) -> None:
         """Put admissions the slot service could not serve back at the queue front."""
         for req in reversed(reqs):

@@ -72,6 +72,10 @@ class AppConfig(BaseModel):
         120.0, gt=0, description="Deadline for one step's call to a target shard or the draft worker; a worker "
         "that has not answered by then is treated as failed (the target is rebuilt, the draft skipped).",
     )
+    target_recovery_timeout_s: float = Field(
+        300.0, gt=0, description="After a target shard fails, how long requests in flight wait for the rebuilt "
+        "target (they then resume where they were) before they end with an error.",
+    )
     pipeline: bool = Field(
         True, description="Draft one half of the batch while the target verifies the other (engine/engine.py: "
         "pipelined steps); false runs draft and verification of the whole batch one after the other.",

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from dspark_ray.engine import Engine, RequestOutput, SamplingParams
+from dspark_ray.engine.engine import ENGINE_FAILED, TARGET_FAILED
 from dspark_ray.engine.interfaces import TargetService
 from dspark_ray.serve.metrics import ServingMetrics
 from dspark_ray.serve.timeline import StepTimeline
@@ -43,15 +44,24 @@ class EngineLoop:
 
     Besides stepping, the thread sends the slot heartbeat every
     ``sync_interval_s`` (``Engine.sync_slots``) and, when a target step failed,
-    rebuilds the target through ``rebuild_target`` before stepping again.
+    rebuilds the target through ``rebuild_target`` before stepping again. The
+    requests in flight wait for it and resume (Engine docstring); a rebuild that
+    fails is retried every ``REBUILD_RETRY_S``, and once
+    ``target_recovery_timeout_s`` has passed since the failure the requests
+    that waited end with an error (the next ones get a new window). Without
+    ``rebuild_target`` they end at once and the same target is tried again.
     """
+
+    REBUILD_RETRY_S = 1.0
 
     def __init__(self, engine: Engine, max_queued_requests: int, idle_wait_s: float = 0.05,
                  metrics: ServingMetrics | None = None,
                  rebuild_target: Callable[[], TargetService] | None = None,
-                 sync_interval_s: float = 1.0) -> None:
+                 sync_interval_s: float = 1.0, target_recovery_timeout_s: float = 300.0) -> None:
         self.engine = engine
         self.rebuild_target = rebuild_target
+        self.target_recovery_timeout_s = target_recovery_timeout_s
+        self._next_rebuild = 0.0
         self.sync_interval_s = sync_interval_s
         self._next_sync = 0.0
         self.metrics = metrics or ServingMetrics.for_engine(engine)
@@ -138,6 +148,10 @@ class EngineLoop:
                 while self._inbox:
                     self._inbox.popleft()()
                 self._maintain()
+                if self.engine.target_error is not None:  # waiting for a rebuilt target
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
                 if not self.engine.has_unfinished():
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -178,16 +192,36 @@ class EngineLoop:
                 self.engine.sync_slots()
             except Exception as exc:  # noqa: BLE001 - the manager may be restarting; next beat retries
                 log.warning("slot heartbeat failed: %r", exc)
-        if self.engine.target_error is not None and self.rebuild_target is not None:
-            log.warning("rebuilding the target after: %r", self.engine.target_error)
-            failed = self.engine.take_pending()
-            self._deliver(failed)  # the failed requests' errors go out first
+        if self.engine.target_error is not None and now >= self._next_rebuild:
+            self._recover_target(now)
+
+    def _recover_target(self, now: float) -> None:
+        """Rebuild the failed target; past the recovery deadline, end the requests that waited."""
+        engine = self.engine
+        if self.rebuild_target is None or now - engine.target_failed_at > self.target_recovery_timeout_s:
+            log.error("target not rebuilt within %.0fs of its failure; ending the requests in flight",
+                      now - engine.target_failed_at)
+            engine.fail_all(TARGET_FAILED)
+            failed = engine.take_pending()
+            self._deliver(failed)
             self.metrics.after_step(failed, self.num_waiting())
-            self.engine.reset_target(self.rebuild_target())
-            log.warning("target rebuilt")
+            engine.target_failed_at = now  # requests from now on get a window of their own
+            if self.rebuild_target is None:
+                engine.reset_target(engine.target)
+                return
+        log.warning("rebuilding the target after: %r", engine.target_error)
+        try:
+            target = self.rebuild_target()
+        except Exception:  # noqa: BLE001 - retried; the requests keep waiting until the deadline
+            log.exception("target rebuild failed; retrying in %.0fs", self.REBUILD_RETRY_S)
+            self._next_rebuild = now + self.REBUILD_RETRY_S
+            return
+        engine.reset_target(target)
+        log.warning("target rebuilt; %d requests resume", len(engine.scheduler.waiting))
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
-        self.engine.fail_all(f"engine failed: {exc}")
+        """End every request with ENGINE_FAILED (``exc`` itself is in the log, not in the replies)."""
+        self.engine.fail_all(ENGINE_FAILED)
         return self.engine.take_pending()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -115,13 +115,19 @@ def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, Overloaded):
         return APIError(503, str(exc), code="overloaded", err_type="server_error",
                         headers={"Retry-After": str(exc.retry_after_s)})
+    # Server-side failures: a short message for the client, the exception (Ray actor ids,
+    # pids, paths, tracebacks) only in the log.
     if isinstance(exc, SlotServiceUnavailable):
-        return APIError(503, str(exc), code="slots_unavailable", err_type="server_error",
-                        headers={"Retry-After": "1"})
+        log.warning("slot service unavailable: %s", exc)
+        return APIError(503, "the slot manager is not answering (it may be restarting); retry in a few seconds",
+                        code="slots_unavailable", err_type="server_error", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDead):
-        return APIError(503, str(exc), code="engine_dead", err_type="server_error", headers={"Retry-After": "5"})
-    log.exception("unexpected error", exc_info=exc)
-    return APIError(500, f"internal error: {exc}", err_type="server_error")
+        log.error("engine dead: %s", exc)
+        return APIError(503, "this replica's engine has stopped and the replica is being replaced; retry the "
+                        "request", code="engine_dead", err_type="server_error", headers={"Retry-After": "5"})
+    log.error("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error ({type(exc).__name__}); the server log has the details",
+                    err_type="server_error")
 
 
 # Names pydantic puts in an error's location for the member of a union it tried
@@ -157,7 +163,8 @@ class DSparkServer:
         self.services = s = (services or ray_services)(cfg, app_name, replica)
         engine = Engine(engine_config, self.tokenizer, s.slots, s.target, s.draft, owner=replica)
         self.loop = EngineLoop(engine, cfg.max_queued_requests, rebuild_target=s.rebuild_target,
-                               metrics=ServingMetrics(engine, cfg.model_name, replica))
+                               metrics=ServingMetrics(engine, cfg.model_name, replica),
+                               target_recovery_timeout_s=cfg.target_recovery_timeout_s)
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
     def build_api(self) -> FastAPI:
@@ -195,7 +202,11 @@ class DSparkServer:
 
     async def health(self, request: Request) -> JSONResponse:
         if not self.loop.alive:
-            return JSONResponse({"status": "unhealthy", "error": repr(self.loop.error)}, status_code=503)
+            log.error("health check: the engine loop stopped: %r", self.loop.error)
+            return JSONResponse({"status": "unhealthy", "error": "the engine loop stopped"}, status_code=503)
+        if self.loop.engine.target_error is not None:
+            return JSONResponse({"status": "unhealthy", "error": "the target failed and is being rebuilt; "
+                                 "requests in flight wait for it"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> JSONResponse:
@@ -308,6 +319,8 @@ class DSparkServer:
             "finished": dict(engine.counters.finished),
             "steps": engine.counters.steps,
             "draft_failures": engine.counters.draft_failures,
+            "target_failures": engine.counters.target_failures,
+            "resumed_after_target_failure": engine.counters.resumed_after_target_failure,
             # Cumulative seconds per phase (dspark_ray.serve.timeline): diff two reads for ms per step.
             "timeline": {**self.loop.timeline.snapshot(), **services_timeline(self.services)},
         }
