@@ -210,3 +210,25 @@ def test_a_target_that_never_comes_back_ends_requests_with_a_short_error(serve_m
         assert health.status_code == 503 and "rebuilt" in health.json()["error"]
     finally:
         srv.shutdown()
+
+
+def test_request_id_header_is_echoed_and_used(server, serve_models):
+    """X-Request-Id: the client's id names the request (response id, header, engine, log lines);
+    a malformed one is a 400 that takes no slot; without it the server makes one up."""
+
+    async def go(headers: dict, body: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(app=server.build_api())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", json=body, headers=headers)
+
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    r = asyncio.run(go({"X-Request-Id": "trace-42.a:b"}, body))
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a:b" and r.json()["id"] == "trace-42.a:b"
+    s = asyncio.run(go({"X-Request-Id": "trace-43"}, {**body, "stream": True}))
+    assert s.status_code == 200 and s.headers["x-request-id"] == "trace-43" and '"id": "trace-43"' in s.text
+    before = server.loop.engine.slots.snapshot().counters.allocations
+    bad = asyncio.run(go({"X-Request-Id": "no spaces allowed"}, body))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+    assert server.loop.engine.slots.snapshot().counters.allocations == before
+    plain = asyncio.run(go({}, body))
+    assert plain.headers["x-request-id"] == plain.json()["id"] and plain.json()["id"].startswith("cmpl-")

@@ -130,6 +130,22 @@ def _api_error(exc: BaseException) -> APIError:
                     err_type="server_error")
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    """The client's ``X-Request-Id`` (echoed back, used as the engine's request id, so it is the
+    id in the server's log lines), or a new id; one that is malformed is a 400."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return new_id(prefix)
+    if not _REQUEST_ID.fullmatch(given):
+        raise APIError(400, f"the {REQUEST_ID_HEADER} header must be 1-128 characters of letters, digits and "
+                       "'._:-'", param=REQUEST_ID_HEADER)
+    return given
+
+
 # Names pydantic puts in an error's location for the member of a union it tried
 # ("prompt.str", "stop.list[str]"): not part of the request's field path.
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "bytes", "none"}
@@ -223,7 +239,7 @@ class DSparkServer:
             runs = self._check_fan_out("best_of" if req.best_of else "n", req.best_of or req.n)
             params = req.params(n=runs)
             prompts = [self._check_prompt(p, dataclasses.replace(params, n=1)) for p in req.prompt_inputs()]
-            req_id = new_id("cmpl")
+            req_id = _request_id(request, "cmpl")
             choices = fan_out([ids for ids, _ in prompts], params, req_id)
             view = CompletionView(self._token_text, [t for _, t in prompts] if req.echo else None,
                                   req.logprobs is not None)
@@ -250,7 +266,7 @@ class DSparkServer:
                 raise APIError(400, f"messages: {exc.message}", param="messages") from exc
             echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
             view = ChatView(self._token_text, echo, bool(req.logprobs))
-            req_id = new_id("chatcmpl")
+            req_id = _request_id(request, "chatcmpl")
             return await self._respond(req, req_id, fan_out([ids], params, req_id), view, keep=req.n)
         except Exception as exc:  # noqa: BLE001
             return _api_error(exc).response()
@@ -382,7 +398,8 @@ class DSparkServer:
         streams = ChoiceStreams(self.loop, choices)
         await streams.start()  # errors surface here, before any response is sent
         if req.stream:
-            return StreamingResponse(self._sse(req, req_id, streams, view), media_type="text/event-stream")
+            return StreamingResponse(self._sse(req, req_id, streams, view), media_type="text/event-stream",
+                                     headers={REQUEST_ID_HEADER: req_id})
         try:
             await streams.gather()
         finally:
@@ -397,7 +414,7 @@ class DSparkServer:
             "choices": [view.choice(c) for c in shown], "usage": _total_usage(choices).model_dump(),
             "speculation": Speculation.of(specs[0]).model_dump() if len(specs) == 1 else None,
         }
-        return JSONResponse(body)
+        return JSONResponse(body, headers={REQUEST_ID_HEADER: req_id})
 
     async def _sse(self, req, req_id: str, streams: ChoiceStreams, view) -> AsyncIterator[str]:
         choices = streams.choices
