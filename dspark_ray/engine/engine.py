@@ -359,23 +359,9 @@ class Engine:
     def _run_speculation(self, plan: StepPlan, sampling: dict[str, SamplingRow]
                          ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens (and their q rows) per request id; empty when nothing speculates."""
-        rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
-        if not rows or self.draft is None:
+        if self.draft is None:
             return {}
-        propose_rows = [
-            ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
-                       sampling[r.req_id])
-            for r in rows
-        ]
-        try:
-            proposal: Proposal = self.draft.propose(propose_rows)
-        except Exception as exc:  # noqa: BLE001 - speculation is optional: run the step without drafts
-            return self._draft_failed(rows, exc)
-        probs = proposal.draft_probs
-        return {
-            r.req_id: (proposal.draft_token_ids[i], None if probs is None else probs[i])
-            for i, r in enumerate(rows)
-        }
+        return self._collect_proposal(self._send_proposal(plan, sampling, self.draft.propose))
 
     def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> VerifyResult | None:
         batch = self._target_batch(plan, drafts, sampling)
@@ -440,7 +426,7 @@ class Engine:
         sampling = {r.req_id: self._sampling(r) for r in plan.rows}
         reserved = {r.req_id: self.scheduler.need(r) for r in plan.rows}
         # Both calls go out before either is waited for.
-        proposing = self._propose_async(plan, sampling)
+        proposing = self._send_proposal(plan, sampling, self.draft.propose_async)
         verifying = batch = None
         if drafted is not None:
             batch = self._target_batch(drafted.plan, drafted.drafts, drafted.sampling)
@@ -497,8 +483,9 @@ class Engine:
         total = min(busy + runnable, self.config.max_num_seqs)
         return max(0, min(-(-total // 2), self.config.max_num_seqs - busy)) if busy else max(1, -(-total // 2))
 
-    def _propose_async(self, plan: StepPlan, sampling: dict[str, SamplingRow]):
-        """Send the draft call for ``plan``'s speculating rows: (rows, pending call or the send's error)."""
+    def _send_proposal(self, plan: StepPlan, sampling: dict[str, SamplingRow], call):
+        """The draft call for ``plan``'s speculating rows through ``call`` (``propose`` or
+        ``propose_async``): None if none speculates, else (rows, its reply, pending call or error)."""
         rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
         if not rows:
             return None
@@ -508,18 +495,18 @@ class Engine:
             for r in rows
         ]
         try:
-            return rows, self.draft.propose_async(propose_rows)
+            return rows, call(propose_rows)
         except Exception as exc:  # noqa: BLE001 - e.g. DraftUnavailable: handled with the reply
             return rows, exc
 
     def _collect_proposal(self, proposing) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         if proposing is None:
             return {}
-        rows, pending = proposing
+        rows, reply = proposing
         try:
-            if isinstance(pending, Exception):
-                raise pending
-            proposal: Proposal = pending.result()
+            if isinstance(reply, Exception):
+                raise reply
+            proposal: Proposal = reply if isinstance(reply, Proposal) else reply.result()
         except Exception as exc:  # noqa: BLE001 - speculation is optional
             return self._draft_failed(rows, exc)
         probs = proposal.draft_probs
