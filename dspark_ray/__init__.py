@@ -1,6 +1,6 @@
 """dspark_ray: speculative-decoding LLM serving on Ray with request-stable slots.
 
-``from dspark_ray import LLM, SamplingParams`` is the offline API. Names are
+``from dspark_ray import LLM, SamplingParams, StructuredOutput`` is the offline API. Names are
 resolved lazily so that bookkeeping modules (the slot registry, the
 scheduler) can be imported without torch.
 """
@@ -11,8 +11,9 @@ import importlib
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "dspark_ray.llm", "SamplingParams": "dspark_ray.engine.sampling_params"}
-__all__ = ["LLM", "SamplingParams", "__version__"]
+_EXPORTS = {"LLM": "dspark_ray.llm", "SamplingParams": "dspark_ray.engine.sampling_params",
+            "StructuredOutput": "dspark_ray.engine.structured"}
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -6,7 +6,8 @@
     print(out[0].text, out[0].spec.mean_acceptance_length)
 
 Every SamplingParams option applies (penalties, logit_bias, min_tokens,
-min_p ...); ``logprobs=N`` / ``prompt_logprobs=N`` fill ``out.logprobs`` /
+min_p, structured outputs: ``structured=StructuredOutput.json_schema(schema)``
+...); ``logprobs=N`` / ``prompt_logprobs=N`` fill ``out.logprobs`` /
 ``out.prompt_logprobs`` with the target's log-probabilities, and
 ``max_tokens=0`` with ``prompt_logprobs`` scores prompts without generating.
 """
@@ -85,9 +86,17 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | None = None,
+        tools: list[dict] | None = None,
+        **template_kwargs,
     ) -> list[CompletionOutput]:
-        """Render each conversation with the checkpoint's chat template, then generate."""
+        """Render each conversation with the checkpoint's chat template, then generate.
+
+        ``tools`` (OpenAI's function specs) and ``template_kwargs`` (e.g.
+        ``enable_thinking=False``) go to the template; to force a call's
+        arguments, give ``params.structured`` the function's JSON schema.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tools=tools, **template_kwargs),
+                                         add_special_tokens=False)
                    for c in convs]
         return self.generate(prompts, params)

@@ -142,6 +142,10 @@ class Tokenizer:
         token = self.special_tokens.get(key)
         return None if token is None else self._backend.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar engines build their token tables from)."""
+        return self._backend.to_str()
+
     def get_vocab(self) -> dict[str, int]:
         """Token string -> id, added tokens included."""
         return self._backend.get_vocab(with_added_tokens=True)
@@ -163,12 +167,16 @@ class Tokenizer:
             )
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
 
         With ``add_generation_prompt`` the text ends with the header that starts
         the assistant's reply. The result is text; encode it with
         ``add_special_tokens=False``, since templates write their own BOS.
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) go to
+        templates that describe tools to the model; ``kwargs`` are further
+        template variables (e.g. ``enable_thinking``), plain data only.
 
         Raises:
             ChatTemplateError: no template, messages that are not a list of
@@ -186,9 +194,10 @@ class Tokenizer:
         plain = [{k: _plain_data(v) for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(
+                **{k: _plain_data(v) for k, v in kwargs.items()},
                 messages=plain,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=_plain_data(tools) if tools else None,
                 documents=None,
                 **self.special_tokens,
             )

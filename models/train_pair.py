@@ -55,11 +55,35 @@ SEED = 1234
 VOCAB = 4096
 EOS, SYSTEM, USER, ASSISTANT, END = "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL = [EOS, SYSTEM, USER, ASSISTANT, END]  # ids 0..4
+# Plain chats render as the model was trained: "<|role|>\n" + content + "<|end|>\n".
+# With tools (never seen in training; the server's grammar makes forced calls
+# valid anyway) the template follows the Hermes convention: the tools as JSON in
+# the system turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>,
+# results in "tool" turns.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{%- if messages and messages[0]['role'] in ('system', 'developer') %}{{ messages[0]['content'] + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{ 'You may call tools. For each call answer <tool_call>{\"name\": <name>, \"arguments\": <arguments>}'"
+    " + '</tool_call>. Tools:\\n' }}"
+    "{%- for tool in tools %}{{ tool | tojson + '\\n' }}{%- endfor %}"
+    "{{ '<|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] in ('system', 'developer')) %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>{\"name\": ' + call['function']['name'] | tojson + ', \"arguments\": ' }}"
+    "{%- if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{%- else %}{{ call['function']['arguments'] | tojson }}{%- endif %}"
+    "{{ '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}"
 )
 
 CTX = 256

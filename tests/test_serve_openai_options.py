@@ -245,8 +245,23 @@ def bad_inputs(model: str):
         (C, {**cmpl, "presence_penalty": 3}, "presence_penalty"),
         (C, {**cmpl, "repetition_penalty": 0}, "repetition_penalty"),
         (C, {**cmpl, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
-        (H, {**msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (H, {**msgs, "response_format": {"type": "json_object"}}, "response_format"),
+        # Structured outputs and tools: what cannot compile or does not exist is a 400 naming it.
+        (H, {**msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "nonsense"}}}}, "response_format"),
+        (C, {**cmpl, "guided_regex": "a(b"}, "guided_regex"),
+        (C, {**cmpl, "guided_json": "{not json"}, "guided_json"),
+        (C, {**cmpl, "guided_choice": []}, "guided_choice"),
+        (C, {**cmpl, "guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        (C, {**cmpl, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        (H, {**msgs, "tools": [{"type": "function", "function": {"name": "f"}}],
+             "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        (H, {**msgs, "tool_choice": "required"}, "tool_choice"),
+        (H, {**msgs, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+             "tool_choice": "required"}, "tools"),
+        (H, {**msgs, "tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+        (H, {**msgs, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+             "response_format": {"type": "json_object"}}, "tool_choice"),
+        (H, {**msgs, "messages": [{"role": "tool", "content": None}]}, "messages.0"),
         (C, {**cmpl, "frobnicate": 1}, "frobnicate"),
     ]
 

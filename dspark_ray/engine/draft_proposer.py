@@ -19,6 +19,7 @@ import torch
 from dspark_kernels import ops
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
+from dspark_ray.engine.structured import SlotGrammars, apply_masks, fill_mask
 from dspark_ray.engine.verifier import mask_vocab, sample_draft_tokens
 from dspark_ray.model.llama import CausalAttention, CausalLM
 from dspark_ray.slots import DraftWindowCache
@@ -55,9 +56,12 @@ class RecordingAttention(CausalAttention):
 
 class DraftProposer:
     def __init__(self, model: CausalLM, capacity: int, window: int, max_spec_tokens: int,
-                 vocab_limit: int | None = None) -> None:
-        """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never proposed."""
+                 vocab_limit: int | None = None, grammars: SlotGrammars | None = None) -> None:
+        """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never proposed.
+        ``grammars``: matchers per slot for structured-output rows (without them their drafts are
+        unconstrained, and the engine cuts each draft at its first forbidden token)."""
         self.model = model
+        self.grammars = grammars
         cfg = model.config
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < cfg.vocab_size else None
         param = next(model.parameters())
@@ -149,20 +153,70 @@ class DraftProposer:
         drafts = torch.zeros((B, k_max), dtype=torch.int64, device=self.device)
         probs = None
         rules = needs_rules(sampling)
-        for i in range(k_max):
-            if rules:  # the target's rules, so that drafts follow the distribution they are verified against
-                logits = apply_rules(logits[:, None], sampling, drafts[:, :i].tolist(), offset=i)[:, 0]
-            tokens, q = sample_draft_tokens(logits, sampling, [p + i for p in next_pos])
-            drafts[:, i] = tokens
-            if q is not None:
-                if probs is None:
-                    probs = torch.zeros((B, K, q.shape[-1]), dtype=torch.float32, device=self.device)
-                probs[:, i] = q
-            if i + 1 < k_max:
-                # The last draft token is never fed: the target verifies it.
-                logits = self._ring_forward_one(tokens, i + 1 < num_draft, next_pos_t + i, slots)
+        grammars = self._sync_grammars(rows)  # entries turn None when a row stops being masked
+        matchers = list(grammars or ())
+        consumed = [0] * B  # draft tokens each matcher took (rolled back at the end)
+        try:
+            for i in range(k_max):
+                if grammars is not None:  # first, as on the target (structured.py)
+                    logits = self._mask(logits, grammars)
+                if rules:  # the target's rules, so that drafts follow the distribution they are verified against
+                    logits = apply_rules(logits[:, None], sampling, drafts[:, :i].tolist(), offset=i)[:, 0]
+                tokens, q = sample_draft_tokens(logits, sampling, [p + i for p in next_pos])
+                drafts[:, i] = tokens
+                if q is not None:
+                    if probs is None:
+                        probs = torch.zeros((B, K, q.shape[-1]), dtype=torch.float32, device=self.device)
+                    probs[:, i] = q
+                if grammars is not None:
+                    self._advance(grammars, tokens.tolist(), consumed, [i < r.num_draft for r in rows])
+                if i + 1 < k_max:
+                    # The last draft token is never fed: the target verifies it.
+                    logits = self._ring_forward_one(tokens, i + 1 < num_draft, next_pos_t + i, slots)
+        finally:
+            for b, (g, n) in enumerate(zip(matchers, consumed)):
+                if g is not None and g.matcher.is_error():  # a matcher never leaves its error state
+                    self.grammars.drop([rows[b].slot])
+                elif g is not None and n:
+                    g.matcher.rollback(n)  # back to the committed output
         out = drafts.tolist()
         return Proposal([out[b][:r.num_draft] for b, r in enumerate(rows)], probs)
+
+    # -- structured outputs ----------------------------------------------------------
+
+    def _sync_grammars(self, rows: list[ProposeRow]) -> list | None:
+        """Per row: its slot's matcher at the committed output, or None; None if no row has one."""
+        if self.grammars is None or all(r.grammar is None for r in rows):
+            return None
+        return [None if r.grammar is None else
+                self.grammars.sync(r.slot, r.epoch, r.grammar.grammar, r.grammar.output_ids) for r in rows]
+
+    def _mask(self, logits: torch.Tensor, grammars: list) -> torch.Tensor:  # [B, V] -> [B, V]
+        """Forbidden ids to -inf on the rows with a matcher. A row whose grammar allows nothing
+        here drafts unmasked (the target's masks decide; drafts are only a guess)."""
+        masks = [None] * len(grammars)
+        for b, g in enumerate(grammars):
+            if g is not None:
+                m = torch.empty((1, g.words), dtype=torch.int32)
+                fill_mask(g.matcher, m[0])
+                if m.any():
+                    masks[b] = m
+                else:
+                    grammars[b] = None
+        return apply_masks(logits[:, None], masks)[:, 0]
+
+    @staticmethod
+    def _advance(grammars: list, tokens: list[int], consumed: list[int], drafting: list[bool]) -> None:
+        """Each matcher takes its row's new draft token (to mask the next one)."""
+        for b, g in enumerate(grammars):
+            if g is None or not drafting[b]:
+                continue
+            if tokens[b] in g.eos_ids:  # its drafts end here in effect (and a consumed EOS would not roll back)
+                grammars[b] = None
+            elif g.matcher.consume_token(tokens[b]):
+                consumed[b] += 1
+            else:  # cannot happen for a masked token; stop masking this row if it does
+                grammars[b] = None
 
     def _ring_forward_one(self, tokens: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor) -> torch.Tensor:

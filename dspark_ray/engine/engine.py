@@ -65,6 +65,7 @@ from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.detokenizer import OutputText
 from dspark_ray.engine.interfaces import (
     DraftService,
+    GrammarRow,
     LogitsRules,
     Proposal,
     ProposeRow,
@@ -79,6 +80,7 @@ from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
 from dspark_ray.engine.request import FinishReason, Request, Status
 from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from dspark_ray.engine.structured import GRAMMAR_ERROR, GrammarCompiler, GrammarError
 from dspark_ray.slots import SlotLease, SlotsExhausted
 from dspark_ray.tokenizer import Tokenizer
 
@@ -123,6 +125,7 @@ class EngineCounters:
     target_failures: int = 0
     resumed_after_target_failure: int = 0  # requests that lost their KV to a target failure and resumed
     preemptions: int = 0  # requests whose target KV was freed to make room (recomputed later)
+    grammar_cut_drafts: int = 0  # draft tokens a structured output's grammar forbade (never verified)
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -169,6 +172,7 @@ class Engine:
         self.pipelined = (config.pipeline and draft is not None and hasattr(draft, "propose_async")
                           and hasattr(target, "step_async"))
         self._drafted: _Drafted | None = None
+        self._grammar_compiler: GrammarCompiler | None = None
 
     # -- requests ------------------------------------------------------------
 
@@ -189,6 +193,8 @@ class Engine:
             k = min(k, params.num_speculative_tokens)
         seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
         req = Request(req_id=req_id, prompt_token_ids=ids, params=params, seed=seed, num_spec_tokens=k)
+        if params.structured is not None:
+            req.grammar = self.grammar_compiler.matcher(self.grammar_compiler.check(params.structured))
         self.requests[req_id] = req
         self._texts[req_id] = OutputText(self.tokenizer, params.stop, params.skip_special_tokens,
                                          params.include_stop_str_in_output)
@@ -214,7 +220,16 @@ class Engine:
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequest("logit_bias", f"token ids must be in [0, {vocab})")
+        if params.structured is not None:
+            self.grammar_compiler.check(params.structured)
         return ids
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this tokenizer (built on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler.of(self.tokenizer)
+        return self._grammar_compiler
 
     def _prompt_ids(self, prompt: str | Sequence[int], truncate: int | None = None) -> list[int]:
         if isinstance(prompt, str):
@@ -373,6 +388,7 @@ class Engine:
 
     def _target_batch(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> TargetStep:
         """The target call for ``plan``'s rows; takes the pending target releases along."""
+        allowed = self._grammar_masks(plan, drafts)
         rows, probs = [], None
         if any(q is not None for _, q in drafts.values()):
             some_q = next(q for _, q in drafts.values() if q is not None)
@@ -382,11 +398,38 @@ class Engine:
             # The prompt is scored when it is first fed (not again after a preemption's recompute).
             score_prompt = r.params.prompt_logprobs if r.target_len == 0 and r.prompt_logprobs is None else None
             rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len),
-                                  tuple(toks), sampling[r.req_id], r.params.logprobs, score_prompt))
+                                  tuple(toks), sampling[r.req_id], r.params.logprobs, score_prompt,
+                                  allowed.get(r.req_id)))
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []
         return TargetStep(rows, probs, release)
+
+    def _grammar_masks(self, plan: StepPlan, drafts: dict) -> dict[str, torch.Tensor]:
+        """Structured-output rows: the grammar's bitmasks at each scored position (structured.py).
+
+        A draft is cut at its first token the grammar forbids (``drafts`` is
+        updated, so the commit counts what was verified). A request whose
+        grammar allows no token at all ends here with an error, and leaves
+        the plan."""
+        masks = {}
+        for r in [r for r in plan.rows if r.grammar is not None]:
+            toks, q = drafts.get(r.req_id, ([], None))
+            try:
+                masks[r.req_id], n = r.grammar.masks(toks)
+            except GrammarError as exc:
+                plan.rows.remove(r)
+                drafts.pop(r.req_id, None)
+                self.scheduler.remove(r)
+                r.error = f"{GRAMMAR_ERROR} {exc}"
+                self._finish(r, FinishReason.ERROR)
+                self._pending.append(self._output(r, [], ""))
+                continue
+            if n < len(toks):
+                drafts[r.req_id] = (toks[:n], q)
+                if not (n and toks[n - 1] in self.tokenizer.eos_token_ids):  # not just the tokens past an EOS
+                    self.counters.grammar_cut_drafts += len(toks) - n
+        return masks
 
     def _target_failed(self, exc: Exception, release: list[int]) -> None:
         """The target's KV can no longer be trusted, but no request is lost: every running
@@ -491,7 +534,8 @@ class Engine:
             return None
         propose_rows = [
             ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
-                       sampling[r.req_id])
+                       sampling[r.req_id],
+                       None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)))
             for r in rows
         ]
         try:
@@ -560,6 +604,13 @@ class Engine:
         for tok in emitted:
             new.append(tok)
             req.output_token_ids.append(tok)
+            if req.grammar is not None:
+                try:
+                    req.grammar.accept(tok)
+                except GrammarError as exc:  # the target's masks make this impossible; end cleanly if not
+                    req.error = f"{GRAMMAR_ERROR} {exc}"
+                    reason = FinishReason.ERROR
+                    break
             if params.stop:
                 piece, stop = text.push([tok], check_stop=len(req.output_token_ids) >= params.min_tokens)
                 new_text += piece
@@ -570,6 +621,8 @@ class Engine:
                 reason, detail = FinishReason.STOP, tok
             elif tok in params.stop_token_ids:
                 reason, detail = FinishReason.STOP, tok
+            elif req.grammar is not None and req.grammar.complete:
+                reason = FinishReason.STOP  # the output matches and the grammar allows nothing more
             elif req.remaining_tokens() <= 0 or req.num_tokens >= self.config.max_context:
                 reason = FinishReason.LENGTH
             if reason:

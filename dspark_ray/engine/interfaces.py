@@ -66,6 +66,15 @@ class SamplingRow:
 
 
 @dataclass(frozen=True)
+class GrammarRow:
+    """A structured-output row's grammar and the output it has matched so far (the draft's
+    matcher for the slot is synced to it; see ``dspark_ray.engine.structured``)."""
+
+    grammar: str
+    output_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ProposeRow:
     """Ask the draft for ``num_draft`` tokens after ``token_ids``.
 
@@ -81,6 +90,7 @@ class ProposeRow:
     token_ids: tuple[int, ...]
     num_draft: int
     sampling: SamplingRow
+    grammar: GrammarRow | None = None  # structured output: drafts follow the grammar
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,10 @@ class VerifyRow:
     sampling: SamplingRow
     logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
     prompt_logprobs: int | None = None  # also for token_ids[1:] (and token_ids[0] is unscored)
+    # Structured output: [J, W] int32 allowed-token bitmasks for the first J scored positions
+    # (the pending token's and each draft's; J = len(draft_token_ids) + 1), applied to the
+    # target's logits before anything else. None: unconstrained.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import torch
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.engine import Engine
+from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import TargetRunner
 from dspark_ray.model import load
 from dspark_ray.model.tp import TensorParallel
@@ -39,7 +40,9 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
 
 def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:
     model = load(config.draft, dtype=runtime_dtype(config.dtype, config.device), device=config.device)
-    return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit)
+    # Structured-output rows mask their drafts with the grammar too (compiled on first use).
+    grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))
+    return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit, grammars)
 
 
 class LocalServices:

@@ -15,6 +15,7 @@ import enum
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.sampling_params import SamplingParams
@@ -87,6 +88,9 @@ class Request:
     # Set once the target scored the prompt (params.prompt_logprobs), handed out with the next output.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # Structured output: the matcher of the committed output (a structured.Grammar; this module
+    # keeps no torch or llguidance import).
+    grammar: Any = None
 
     @functools.cached_property
     def distinct_prompt_ids(self) -> tuple[int, ...]:

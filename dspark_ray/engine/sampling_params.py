@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a runtime import would be circular
+    from dspark_ray.engine.structured import StructuredOutput
 
 
 # The most log-probabilities per position a request may ask for (vLLM's default limit).
@@ -38,6 +42,12 @@ class SamplingParams:
     until that many tokens are out), ``min_p`` (tokens below min_p times the
     most likely one's probability are dropped when sampling).
 
+    ``structured`` (a ``dspark_ray.engine.structured.StructuredOutput``: a
+    JSON schema, any JSON object, a regex, a choice or a Lark grammar)
+    constrains the output: every token is one the grammar allows, at every
+    verified position and in the drafts, and the request ends when the
+    grammar is complete.
+
     ``logprobs = N`` reports, per output token, its log-probability under the
     target and the N most likely alternatives; ``prompt_logprobs = N`` does the
     same for the prompt (the first token has none). Both are the target
@@ -68,6 +78,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     n: int = 1
+    structured: StructuredOutput | None = None  # the output must match this grammar
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +114,10 @@ class SamplingParams:
             raise InvalidRequest("n", f"must be an integer >= 1, got {self.n!r}")
         self._check_rules()
         self._check_logprobs()
+        from dspark_ray.engine.structured import StructuredOutput  # it imports this module
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequest("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
 
     def samples(self) -> list[SamplingParams]:
         """The n single-sample requests these params stand for; sample i of a seeded request uses seed + i,

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
+from dspark_ray.engine.structured import apply_masks
 from dspark_ray.engine.logprobs import token_logprobs
 from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.verifier import mask_vocab, verify
@@ -231,8 +232,13 @@ class TargetRunner:
         if draft_probs is not None:
             draft_probs = fit_vocab(draft_probs.to(self.device, torch.float32), logits.shape[-1])
         sampling = [r.sampling for r in rows]
-        if needs_rules(sampling):  # on a copy: reported log-probabilities are the raw ones
-            logits = apply_rules(logits.clone(), sampling, [r.draft_token_ids for r in rows])
+        masked = any(r.allowed is not None for r in rows)
+        if masked or needs_rules(sampling):  # on a copy: reported log-probabilities are the raw ones
+            logits = logits.clone()
+            if masked:  # structured outputs: the grammar first, then the rules
+                apply_masks(logits, [r.allowed for r in rows])
+            if needs_rules(sampling):
+                logits = apply_rules(logits, sampling, [r.draft_token_ids for r in rows])
         out, accepted = verify(logits, drafts.to(self.device), num_draft.to(self.device), draft_probs,
                                sampling, first_positions)
         out, accepted = out.tolist(), accepted.tolist()

@@ -80,6 +80,15 @@ class AppConfig(BaseModel):
         True, description="Draft one half of the batch while the target verifies the other (engine/engine.py: "
         "pipelined steps); false runs draft and verification of the whole batch one after the other.",
     )
+    tool_call_parser: str | None = Field(
+        "hermes", description="How the model writes tool calls, for tool_choice auto: hermes "
+        "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3, the shipped pair's template) or llama3_json; null "
+        "turns tool_choice auto off (required and named calls work without a parser).",
+    )
+    reasoning_parser: str | None = Field(
+        None, description="For models that think between <think> and </think>: think, deepseek_r1 or qwen3; "
+        "their reasoning is returned as reasoning_content, apart from content. null: none.",
+    )
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted HTTP request body.")
     api_key: str | None = Field(
         None, description="If set, the OpenAI routes require `Authorization: Bearer <api_key>`."
@@ -97,6 +106,25 @@ class AppConfig(BaseModel):
                 "config.json, *.safetensors and tokenizer.json"
             )
         return str(path)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        from dspark_ray.serve.tool_parsers import TOOL_PARSERS
+
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; one of {', '.join(sorted(TOOL_PARSERS))} or null")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        from dspark_ray.serve.reasoning import REASONING_PARSERS
+
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {value!r}; one of {', '.join(sorted(REASONING_PARSERS))} "
+                             "or null")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:

@@ -6,8 +6,16 @@ sampling extensions included (``top_k``, ``min_p``, ``min_tokens``,
 ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``truncate_prompt_tokens``). Unknown fields are forbidden, so an unsupported
 option is a 400 that names it rather than being silently ignored; a field
-accepted only at its neutral value (``suffix``, ``tools``,
-``spaces_between_special_tokens``...) says so in its 400. dspark extensions:
+accepted only at its neutral value (``suffix``,
+``spaces_between_special_tokens``...) says so in its 400.
+
+Structured outputs: OpenAI's ``response_format`` (``json_object`` and
+``json_schema``) and vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` and ``structured_outputs``, at most one
+per request, for chat, completions and the handle API alike. Tool calling
+(chat): ``tools``, ``tool_choice`` (``none``, ``auto``, ``required`` or a
+named function), ``tool`` and ``developer`` messages, assistant messages with
+``tool_calls``. dspark extensions:
 ``speculative`` and ``num_speculative_tokens``; responses carry speculation
 statistics in the extension field ``speculation``.
 
@@ -25,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dspark_ray.engine import InvalidRequest, SamplingParams
 from dspark_ray.engine.outputs import SpecSummary, TokenLogprob
 from dspark_ray.engine.sampling_params import MAX_LOGPROBS
+from dspark_ray.engine.structured import StructuredOutput
 
 
 class SamplingFields(BaseModel):
@@ -54,6 +63,39 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM extension: keep the prompt's last N.")
     speculative: bool = Field(True, description="dspark extension: turn speculation off for this request.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="dspark extension: this request's k.")
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'text' | 'json_object' | "
+                                                                     "'json_schema', 'json_schema': {...}}.")
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output follows.")
+    guided_regex: str | None = Field(None, description="vLLM extension: a regular expression the output matches.")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these.")
+    guided_grammar: str | None = Field(None, description="vLLM extension: a Lark (or GBNF) grammar.")
+    structured_outputs: StructuredOutputsField | None = Field(None, description="vLLM extension: one of json, "
+                                                                                "regex, choice, grammar, json_object.")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one structured-output constraint asked for, if any (InvalidRequest names the field)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", field="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_
+            found.append(StructuredOutput.json_schema(closed_objects(schema) if rf.json_schema.strict else schema,
+                                                      field="response_format"))
+        if self.guided_json is not None:
+            found.append(StructuredOutput.json_schema(self.guided_json, field="guided_json"))
+        if self.guided_regex is not None:
+            found.append(StructuredOutput("regex", self.guided_regex, field="guided_regex"))
+        if self.guided_choice is not None:
+            found.append(StructuredOutput.choice(self.guided_choice, field="guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(grammar_output(self.guided_grammar, "guided_grammar"))
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.outputs()
+        if len(found) > 1:
+            raise InvalidRequest(found[1].field, f"only one structured-output constraint per request; "
+                                                 f"{found[0].field} already sets one")
+        return found[0] if found else None
 
     def sampling_params(self, default_max_tokens: int = 16, **extra) -> SamplingParams:
         """The engine's SamplingParams; ``extra`` sets fields such as logprobs (raises InvalidRequest)."""
@@ -78,8 +120,87 @@ class SamplingFields(BaseModel):
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "speculative": self.speculative,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "structured": self.structured_output(),
             **extra,
         })
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", description="Accepted and unused, as OpenAI names it.")
+    description: str | None = None
+    schema_: dict | bool = Field(default_factory=dict, alias="schema", description="The JSON schema.")
+    strict: bool | None = Field(None, description="The output always follows the schema; with strict, "
+                                                  "objects take only their declared properties (as OpenAI's).")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` request field (one of its constraints)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def outputs(self) -> list[StructuredOutput]:
+        field = "structured_outputs"
+        out = []
+        if self.json_ is not None:
+            out.append(StructuredOutput.json_schema(self.json_, field=field))
+        if self.regex is not None:
+            out.append(StructuredOutput("regex", self.regex, field=field))
+        if self.choice is not None:
+            out.append(StructuredOutput.choice(self.choice, field=field))
+        if self.grammar is not None:
+            out.append(grammar_output(self.grammar, field))
+        if self.json_object:
+            out.append(StructuredOutput("json_object", field=field))
+        return out
+
+
+def closed_objects(schema):
+    """A copy of a JSON schema where every object schema without ``additionalProperties`` gets
+    ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (closed_objects(v) if k in _SUBSCHEMAS else
+               {n: closed_objects(s) for n, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else v)
+           for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = {"items", "anyOf", "oneOf", "allOf", "not", "prefixItems", "additionalItems", "if", "then", "else"}
+_SCHEMA_MAPS = {"properties", "$defs", "definitions", "patternProperties"}
+
+
+def grammar_output(text: str, field: str) -> StructuredOutput:
+    """A Lark grammar, or a GBNF one (``::=`` rules, llama.cpp's format) converted to Lark."""
+    if "::=" in text:
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            text = any_to_lark(text)
+        except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions
+            raise InvalidRequest(field, f"cannot read the GBNF grammar: {exc}") from None
+    return StructuredOutput("lark", text, field)
 
 
 def _bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -150,13 +271,59 @@ class CompletionRequest(_OpenAIRequest):
                                     prompt_logprobs=self.logprobs if self.echo else None)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict = Field(description="JSON text of the arguments (OpenAI), or the object itself.")
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message of the conversation so far."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="Assistant messages: the calls it made.")
+    tool_call_id: str | None = Field(None, description="Tool messages: the call this answers.")
+    reasoning_content: str | None = Field(None, description="Accepted on assistant messages and not rendered "
+                                                            "(earlier turns' reasoning is not fed back).")
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def rendered(self) -> dict:
+        """The message as the chat template sees it. ``developer`` (OpenAI's newer name for the
+        system role) is rendered as ``system``, which templates know."""
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": None if self.content is None else self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -167,6 +334,37 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="A JSON schema of the arguments object.")
+    strict: bool | None = None
+
+    def parameters_schema(self) -> dict:
+        """The arguments' schema as forced calls enforce it: objects that do not say otherwise
+        take no properties beyond those declared (as OpenAI's strict mode has it), so a model
+        cannot wander off into invented arguments and run out of tokens."""
+        return closed_objects(self.parameters if self.parameters is not None else {"type": "object", "properties": {}})
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool | None = Field(False, description="Log-probabilities of each output token.")
@@ -175,27 +373,69 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     echo: bool = Field(False, description="vLLM extension: prepend the last message's content when it is the "
                                           "assistant's.")
-    tools: list[dict] | None = Field(None, description="Not supported: only null or empty.")
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="Only none/auto (no tools are served).")
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = Field(None, description="Only {'type': 'text'} is supported.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required (at least one call) or "
+                          "{'type': 'function', 'function': {'name': ...}}; required and a named function "
+                          "are enforced by grammar, so their arguments always follow the function's schema.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (with required).")
+    chat_template_kwargs: dict | None = Field(None, description="vLLM extension: extra chat template "
+                                                                "variables, e.g. {'enable_thinking': false}.")
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools "
+                             f"({', '.join(map(repr, names)) or 'none given'})")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: required needs tools")
         return self
+
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_output(self) -> StructuredOutput | None:
+        """The grammar of a forced call: the named function's arguments, or (required) a JSON
+        array of one or more {"name", "parameters"} objects, one schema per tool."""
+        mode = self.tool_mode()
+        if mode == "named":
+            tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
+            return StructuredOutput.json_schema(tool.function.parameters_schema(), field="tools")
+        if mode != "required":
+            return None
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": t.function.name},
+                                              "parameters": t.function.parameters_schema()},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for t in self.tools]}}
+        if self.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        return StructuredOutput.json_schema(calls, field="tools")
 
     def params(self, default_max_tokens: int = 16, n: int = 1) -> SamplingParams:
         req = self
         if self.max_tokens is None and self.max_completion_tokens is not None:
             req = self.model_copy(update={"max_tokens": self.max_completion_tokens})
+        forced = self.tool_output()
+        extra = {}
+        if forced is not None:
+            if self.structured_output() is not None:
+                raise InvalidRequest("tool_choice", "a forced tool call (required or a named function) cannot "
+                                                    "be combined with response_format or guided decoding")
+            extra["structured"] = forced
         return req.sampling_params(default_max_tokens, n=n,
-                                   logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+                                   logprobs=(self.top_logprobs or 0) if self.logprobs else None, **extra)
 
 
 class Speculation(BaseModel):

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
+from dspark_ray.engine.structured import GRAMMAR_ERROR
 from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
@@ -47,8 +48,10 @@ from dspark_ray.serve.protocol import (
     new_id,
     now,
 )
-from dspark_ray.serve.responses import ChatView, CompletionView
-from dspark_ray.tokenizer import Tokenizer
+from dspark_ray.serve.reasoning import make_reasoning_parser
+from dspark_ray.serve.responses import ChatView, CompletionView, ToolMode
+from dspark_ray.serve.tool_parsers import make_tool_parser
+from dspark_ray.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,14 @@ def _api_error(exc: BaseException) -> APIError:
                     err_type="server_error")
 
 
+def _generation_error(out: RequestOutput) -> APIError:
+    """The error of a request the engine ended: its grammar could not go on (the request's
+    own constraint: a 400), or a failure on the server's side (503: retry)."""
+    if out.error and out.error.startswith(GRAMMAR_ERROR):
+        return APIError(400, out.error, code="structured_output_failed")
+    return APIError(503, out.error or "generation failed", err_type="server_error", code="engine_error")
+
+
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -161,7 +172,7 @@ def _field_path(loc: tuple) -> str | None:
 def _validation_error(exc: ValidationError) -> APIError:
     err = exc.errors()[0]
     param = _field_path(err["loc"])
-    msg = err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = f"unsupported option {param!r}"
     elif param is None and (m := _FIELD_PREFIX.match(msg)):  # a model validator's "field: message"
@@ -251,10 +262,19 @@ class DSparkServer:
         try:
             req = await self._parse(request, ChatCompletionRequest)
             try:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                messages = [m.rendered() for m in req.messages]
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            mode = req.tool_mode()
+            if mode == "auto" and self.config.tool_call_parser is None:
+                raise APIError(400, "tool_choice: auto needs a tool_call_parser in the server's config; use "
+                                    "required or a named function, or leave tools out", param="tool_choice")
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if mode != "none" else None
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                          **(req.chat_template_kwargs or {}))
+            except ChatTemplateError as exc:
+                raise APIError(400, f"messages: {exc}", param="messages") from exc
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             room = max(1, self.config.max_context - len(ids))
             params = req.params(default_max_tokens=room, n=self._check_fan_out("n", req.n))
@@ -264,8 +284,15 @@ class DSparkServer:
                 if exc.field != "prompt":
                     raise
                 raise APIError(400, f"messages: {exc.message}", param="messages") from exc
-            echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
-            view = ChatView(self._token_text, echo, bool(req.logprobs))
+            echo = (messages[-1]["content"] or "") if req.echo and messages[-1]["role"] == "assistant" else ""
+            tool_mode = None
+            if mode != "none":
+                parser = self.config.tool_call_parser
+                tool_mode = ToolMode(mode, (lambda: make_tool_parser(parser)) if mode == "auto" else None,
+                                     req.tool_choice.function.name if mode == "named" else None)
+            reasoning = self.config.reasoning_parser
+            view = ChatView(self._token_text, echo, bool(req.logprobs), tool_mode,
+                            (lambda: make_reasoning_parser(reasoning)) if reasoning else None)
             req_id = _request_id(request, "chatcmpl")
             return await self._respond(req, req_id, fan_out([ids], params, req_id), view, keep=req.n)
         except Exception as exc:  # noqa: BLE001
@@ -406,7 +433,7 @@ class DSparkServer:
             await streams.close()
         failed = next((c.last for c in choices if c.last.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(503, failed.error or "generation failed", err_type="server_error", code="engine_error")
+            raise _generation_error(failed)
         shown = _best(choices, keep)
         specs = [c.last.spec for c in choices if c.last.spec]
         body = {
@@ -430,8 +457,7 @@ class DSparkServer:
         try:
             async for c, out in merged:
                 if out.finish_reason == "error":
-                    yield APIError(503, out.error or "generation failed", err_type="server_error",
-                                   code="engine_error").sse()
+                    yield _generation_error(out).sse()
                     break
                 entry = view.chunk(c, out, first=c.index not in started)
                 started.add(c.index)
