@@ -10,7 +10,10 @@ none was refused; it changes nothing in either direction.
 What each client returns is checked against something independent: LangChain
 against the official ``openai`` client's direct greedy chat completion, and
 lm-eval's log-likelihoods against the target's own log-probabilities from
-transformers.
+transformers. Tool calls and structured outputs, through both clients as
+agent frameworks use them, are checked against their JSON schemas with
+``jsonschema``: the shipped model has never seen JSON, so every valid answer
+is the grammar's doing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -37,7 +41,7 @@ from dspark_ray.serve.server import DSparkServer
 from serve_fixtures import serve_models  # noqa: F401 - fixture
 
 CAPACITY = 8
-MAX_CONTEXT = 256
+MAX_CONTEXT = 1024  # a prompt with two tools in it runs to ~400 tokens of this small vocabulary
 MAX_TOKENS = 16
 CHAT_PROMPTS = ["Speak, Romeo.", "What light through yonder window breaks?", "To be, or not to be."]
 
@@ -104,8 +108,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(serve_models):
+    # reasoning_parser: the shipped model never opens with <think>, so only the test that makes it
+    # (by grammar) gets reasoning_content; every other answer is content, unchanged.
     config = AppConfig(model=str(serve_models.target), draft=str(serve_models.draft), tensor_parallel_size=1,
-                       capacity=CAPACITY, max_context=MAX_CONTEXT)
+                       capacity=CAPACITY, max_context=MAX_CONTEXT, tool_call_parser="hermes",
+                       reasoning_parser="think")
     srv = DSparkServer(config, services=LocalServices.build)
     recorder = Recorder(srv.build_api())
     sock = socket.socket()
@@ -322,3 +329,164 @@ def test_lm_eval_generate_until_equals_direct_completion(served, lm, hf_target, 
     # and the target's own greedy continuation starts with it
     greedy_text = hf_tokenizer.decode(greedy_ids(hf_target, hf_tokenizer.encode(context), 12))
     assert greedy_text.startswith(text) and text
+
+
+# -- tools and structured outputs -----------------------------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "EST"]}}, "required": ["tz"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+                                           "parameters": TIME}}]
+SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
+TOOL_MESSAGES = [{"role": "developer", "content": "Answer with a tool call."},
+                 {"role": "user", "content": "Will it rain in Verona this week?"}]
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
+    """OpenAI tool-call deltas put together as a client does: per index, id and name once, arguments
+    concatenated. Returns (calls, finish_reason, content)."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    assert call["id"] is None, "a call's id came twice"
+                    call["id"] = d.id
+                if d.function and d.function.name:
+                    call["name"] = d.function.name
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_openai_client_forced_tool_calls_are_valid(served, tool_choice):
+    args = dict(model=served.model, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                parallel_tool_calls=False, temperature=0, max_tokens=120)
+    with client(served) as c:
+        whole = c.chat.completions.create(**args)
+        streamed, finish, content = streamed_calls(c.chat.completions.create(**args, stream=True))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
+    if isinstance(tool_choice, dict):
+        assert calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMA_OF[calls[0].function.name])
+    # streamed: the same call (greedy), put together from OpenAI's deltas
+    assert finish == "tool_calls" and content == ""
+    assert [(k["name"], json.loads(k["arguments"])) for k in streamed] == \
+        [(calls[0].function.name, json.loads(calls[0].function.arguments))]
+    assert streamed[0]["id"].startswith("call_")
+
+
+def test_openai_client_multi_turn_with_tool_results(served):
+    """The conversation continues after a call: assistant tool_calls (null content) and a tool message."""
+    with client(served) as c:
+        first = c.chat.completions.create(model=served.model, messages=TOOL_MESSAGES, tools=TOOLS,
+                                          tool_choice="required", temperature=0, max_tokens=120)
+        call = first.choices[0].message.tool_calls[0]
+        messages = TOOL_MESSAGES + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "rain on Tuesday"}]
+        second = c.chat.completions.create(model=served.model, messages=messages, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           temperature=0, max_tokens=60)
+    call2 = second.choices[0].message.tool_calls[0]
+    assert call2.function.name == "get_time"
+    jsonschema.validate(json.loads(call2.function.arguments), TIME)
+
+
+def test_openai_client_structured_outputs(served):
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Scene(BaseModel):
+        act: int = Field(ge=1, le=5)
+        place: str = Field(max_length=16)
+        speakers: list[Annotated[str, Field(max_length=12)]] = Field(max_length=2)
+
+    with client(served) as c:
+        # the client's own structured-output helper: a strict json_schema response_format
+        parsed = c.chat.completions.parse(model=served.model, temperature=0, max_tokens=150, response_format=Scene,
+                                          messages=[{"role": "user", "content": "Describe a scene."}])
+        assert isinstance(parsed.choices[0].message.parsed, Scene), parsed.choices[0].message.content
+        obj = c.chat.completions.create(model=served.model, temperature=0.9, seed=5, max_tokens=150,
+                                        response_format={"type": "json_object"},
+                                        messages=[{"role": "user", "content": "A scene, as JSON."}])
+        if obj.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+        # vLLM's request fields through extra_body, on the completions API
+        choice = c.completions.create(model=served.model, prompt="Who loves Juliet?", max_tokens=10,
+                                      extra_body={"guided_choice": ["Romeo", "Paris", "Tybalt"]}).choices[0]
+        assert choice.text in ("Romeo", "Paris", "Tybalt") and choice.finish_reason == "stop"
+        regex = c.completions.create(model=served.model, prompt="KING:", max_tokens=20, temperature=1.0,
+                                     extra_body={"structured_outputs": {"regex": r"Act [IV]{1,3}, scene [1-5]"}})
+        import re
+
+        assert re.fullmatch(r"Act [IV]{1,3}, scene [1-5]", regex.choices[0].text)
+
+
+def test_auto_tool_calls_and_reasoning_are_parsed_from_the_output(served):
+    """tool_choice auto reads the model's own <tool_call> blocks (hermes), and the reasoning parser
+    splits <think>...</think> off as reasoning_content, streamed and not. The shipped model writes
+    neither on its own, so a regex makes it (the parsers see what a model that does would write)."""
+    pattern = (r'<think>[a-z ]{4,24}</think>\n<tool_call>\n\{"name": "get_time", "arguments": '
+               r'\{"tz": "(UTC|CET)"\}\}\n</tool_call>')
+    args = dict(model=served.model, messages=TOOL_MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+                extra_body={"guided_regex": pattern})
+    with client(served) as c:
+        whole = c.chat.completions.create(**args)
+        stream = list(c.chat.completions.create(**args, stream=True))
+    choice = whole.choices[0]
+    message = choice.message.model_dump()
+    assert choice.finish_reason == "tool_calls"
+    assert message["reasoning_content"] and "<think>" not in message["reasoning_content"]
+    assert message["content"] is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in stream if ch.choices)
+    assert reasoning == message["reasoning_content"]
+    calls, finish, content = streamed_calls(stream)
+    assert finish == "tool_calls" and content.strip() == ""
+    assert [(k["name"], json.loads(k["arguments"])) for k in calls] == [("get_time", json.loads(call.function.arguments))]
+
+
+def test_langchain_bind_tools_and_structured_output(served):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """Weather forecast for a city."""
+
+        city: str = Field(max_length=12)
+        days: int = Field(ge=1, le=7)
+
+    model = ChatOpenAI(base_url=f"{served.url}/v1", api_key="unused", model=served.model, temperature=0,
+                       max_tokens=120, max_retries=0, timeout=60)
+    for tool_choice in ("required", "GetWeather"):
+        bound = model.bind_tools([GetWeather], tool_choice=tool_choice, parallel_tool_calls=False)
+        msg = bound.invoke("Will it rain in Verona?")
+        [call] = msg.tool_calls
+        assert call["name"] == "GetWeather" and call["id"]
+        GetWeather.model_validate(call["args"])
+        merged = None
+        for chunk in bound.stream("Will it rain in Verona?"):
+            merged = chunk if merged is None else merged + chunk
+        assert [(k["name"], k["args"]) for k in merged.tool_calls] == [(call["name"], call["args"])]
+    for method in ("json_schema", "function_calling"):
+        structured = model.with_structured_output(GetWeather, method=method)
+        assert isinstance(structured.invoke("Weather in Padua?"), GetWeather)

@@ -194,13 +194,16 @@ class DraftProposer:
     def _mask(self, logits: torch.Tensor, grammars: list) -> torch.Tensor:  # [B, V] -> [B, V]
         """Forbidden ids to -inf on the rows with a matcher. A row whose grammar allows nothing
         here drafts unmasked (the target's masks decide; drafts are only a guess)."""
+        words = next((g.words for g in grammars if g is not None), None)
+        if words is None:
+            return logits
+        packed = torch.empty((len(grammars), words), dtype=torch.int32)
         masks = [None] * len(grammars)
         for b, g in enumerate(grammars):
             if g is not None:
-                m = torch.empty((1, g.words), dtype=torch.int32)
-                fill_mask(g.matcher, m[0])
-                if m.any():
-                    masks[b] = m
+                fill_mask(g.matcher, packed[b])
+                if packed[b].any():
+                    masks[b] = packed[b:b + 1]
                 else:
                     grammars[b] = None
         return apply_masks(logits[:, None], masks)[:, 0]

@@ -247,13 +247,18 @@ def apply_masks(
     masks: Sequence[torch.Tensor | None],  # per row: [J_b, W] int32 for its first J_b positions, or None
 ) -> torch.Tensor:
     """Forbidden ids to -inf at every masked position (positions past a row's masks are unused)."""
-    V = logits.shape[-1]
-    for b, m in enumerate(masks):
-        if m is None:
-            continue
-        J = min(m.shape[0], logits.shape[1])
-        keep = unpack(m[:J].to(logits.device), V)  # [J, V]
-        logits[b, :J].masked_fill_(~keep, float("-inf"))
+    rows = [b for b, m in enumerate(masks) if m is not None]
+    if not rows:
+        return logits
+    B, J, V = logits.shape
+    words = max(masks[b].shape[1] for b in rows)
+    packed = torch.full((len(rows), J, words), -1, dtype=torch.int32)  # -1: every id allowed
+    for i, b in enumerate(rows):
+        m = masks[b][:J]
+        packed[i, :m.shape[0], :m.shape[1]] = m
+    keep = unpack(packed.to(logits.device), V)  # [R, J, V]; one pass for all rows
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
     return logits
 
 
