@@ -174,6 +174,20 @@ def test_logprobs_penalties_and_choices_over_the_served_transport(served, client
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
 
 
+def test_request_id_comes_back_once_and_names_the_response(served, http):
+    """Under Serve the proxy echoes X-Request-Id (the client's, or one it made up); the response id
+    is that same id, and the header is not doubled by the server's own echo."""
+    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 2}
+    given = http.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+    assert given.status_code == 200, given.text
+    assert given.headers.get_list("x-request-id") == ["trace-7"] and given.json()["id"] == "trace-7"
+    made = http.post("/v1/chat/completions", json={"model": served.model, "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": "Hi"}]})
+    assert made.status_code == 200, made.text
+    [rid] = made.headers.get_list("x-request-id")
+    assert made.json()["id"] == rid
+
+
 def test_handle_api_from_a_second_serve_app(served, client):
     prompt, max_tokens = PROMPTS[2], 20
     ref = client.completions.create(model=served.model, prompt=prompt, max_tokens=max_tokens, temperature=0)

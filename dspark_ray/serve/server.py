@@ -184,6 +184,7 @@ class DSparkServer:
     def __init__(self, config: dict | AppConfig, services: ServicesFactory | None = None) -> None:
         self.config = config if isinstance(config, AppConfig) else AppConfig(**config)
         cfg = self.config
+        self.echo_request_id = True  # X-Request-Id on every completion response (Serve's proxy does it there)
         app_name, replica = _replica_identity()
         engine_config = cfg.engine_config()
         self.tokenizer = Tokenizer.from_path(cfg.model)
@@ -206,6 +207,9 @@ class DSparkServer:
         return api
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        # Serve's proxy puts an X-Request-Id on every request (the client's, or one it makes) and
+        # sends it back on the response; a second copy from here would duplicate the header.
+        self.echo_request_id = False
         return self.build_api()
 
     def shutdown(self) -> None:
@@ -426,7 +430,7 @@ class DSparkServer:
         await streams.start()  # errors surface here, before any response is sent
         if req.stream:
             return StreamingResponse(self._sse(req, req_id, streams, view), media_type="text/event-stream",
-                                     headers={REQUEST_ID_HEADER: req_id})
+                                     headers=self._id_header(req_id))
         try:
             await streams.gather()
         finally:
@@ -441,7 +445,10 @@ class DSparkServer:
             "choices": [view.choice(c) for c in shown], "usage": _total_usage(choices).model_dump(),
             "speculation": Speculation.of(specs[0]).model_dump() if len(specs) == 1 else None,
         }
-        return JSONResponse(body, headers={REQUEST_ID_HEADER: req_id})
+        return JSONResponse(body, headers=self._id_header(req_id))
+
+    def _id_header(self, req_id: str) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: req_id} if self.echo_request_id else {}
 
     async def _sse(self, req, req_id: str, streams: ChoiceStreams, view) -> AsyncIterator[str]:
         choices = streams.choices
