@@ -131,9 +131,12 @@ def test_other_constraints_regex_choice_and_grammar(engines):
                 assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (spec, out.text)
 
 
-def test_mixed_batch_equals_solo_runs(serve_models):
-    """Different grammars and none in one batch (sampled rows seeded): each equals its solo run."""
-    engine = make_engine(serve_models.target, serve_models.draft, capacity=16, max_context=512)
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_mixed_batch_equals_solo_runs(serve_models, pipelined):
+    """Different grammars and none in one batch (sampled rows seeded): each equals its solo run. The
+    pipelined engine computes a drafted half's masks a step before its verification."""
+    engine = (make_pipelined_engine if pipelined else make_engine)(serve_models.target, serve_models.draft,
+                                                                   capacity=16, max_context=512)
     schemas = list(SCHEMAS.values())
     requests = []
     for i, prompt in enumerate(PROMPTS * 2):

@@ -112,6 +112,7 @@ class _Drafted:
     sampling: dict[str, SamplingRow]
     drafts: dict[str, tuple[list[int], torch.Tensor | None]]
     reserved: dict[str, int]  # req_id -> KV tokens its verification may add
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)  # structured outputs' masks, computed already
 
 
 class TargetUnavailable(RuntimeError):
@@ -386,9 +387,11 @@ class Engine:
             self._target_failed(exc, batch.release_slots)
             return None
 
-    def _target_batch(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> TargetStep:
-        """The target call for ``plan``'s rows; takes the pending target releases along."""
-        allowed = self._grammar_masks(plan, drafts)
+    def _target_batch(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow],
+                      masks: dict[str, torch.Tensor] | None = None) -> TargetStep:
+        """The target call for ``plan``'s rows; takes the pending target releases along.
+        ``masks``: the structured-output rows' masks if they were computed already."""
+        allowed = self._grammar_masks(plan, drafts) if masks is None else masks
         rows, probs = [], None
         if any(q is not None for _, q in drafts.values()):
             some_q = next(q for _, q in drafts.values() if q is not None)
@@ -472,11 +475,16 @@ class Engine:
         proposing = self._send_proposal(plan, sampling, self.draft.propose_async)
         verifying = batch = None
         if drafted is not None:
-            batch = self._target_batch(drafted.plan, drafted.drafts, drafted.sampling)
+            batch = self._target_batch(drafted.plan, drafted.drafts, drafted.sampling, drafted.masks)
             try:
                 verifying = self.target.step_async(batch)
             except Exception as exc:  # noqa: BLE001 - the send itself failed
                 verifying = exc
+        # The draft's reply first: the structured-output masks of the rows it drafted (for their
+        # verification next step) are computed while the target may still be verifying.
+        drafts = self._collect_proposal(proposing)
+        masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.rows) else {}
+        t2 = time.perf_counter()
         result = None
         if isinstance(verifying, Exception):
             error = verifying
@@ -485,10 +493,8 @@ class Engine:
             if verifying is not None:
                 try:
                     result = verifying.result()
-                except Exception as exc:  # noqa: BLE001 - handled below, after the draft's reply is read
+                except Exception as exc:  # noqa: BLE001 - handled below
                     error = exc
-        t2 = time.perf_counter()
-        drafts = self._collect_proposal(proposing)
         t3 = time.perf_counter()
         if error is not None:
             self._target_failed(error, batch.release_slots)
@@ -498,12 +504,13 @@ class Engine:
             live = [r for r in plan.rows if not r.finished]
             if live:
                 plan.rows = live
-                self._drafted = _Drafted(plan, sampling, drafts, {r.req_id: reserved[r.req_id] for r in live})
+                self._drafted = _Drafted(plan, sampling, drafts, {r.req_id: reserved[r.req_id] for r in live},
+                                         {k: v for k, v in masks.items() if k in {r.req_id for r in live}})
         self._flush_releases()
         t4 = time.perf_counter()
-        # In a pipelined step propose and verify overlap: "verify" is the target call's wall
-        # time, "propose" only the wait for the draft beyond it.
-        self.timings = StepTimings(t1 - t0, t3 - t2, t2 - t1, t4 - t3, len(plan.rows) + len(busy))
+        # In a pipelined step propose and verify overlap: "propose" is the wait for the draft
+        # (and the masks of what it drafted), "verify" only the wait for the target beyond it.
+        self.timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(plan.rows) + len(busy))
         self.counters.steps += 1
         return outputs
 
