@@ -174,6 +174,32 @@ def test_logprobs_penalties_and_choices_over_the_served_transport(served, client
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
 
 
+def test_structured_outputs_and_tools_over_the_served_transport(served, client):
+    """Grammar rows travel through the actors: the draft worker keeps its own per-slot matchers, the
+    target shards apply the masks the replica computed."""
+    schema = {"type": "object", "properties": {"role": {"enum": ["king", "fool"]},
+                                               "line": {"type": "string", "maxLength": 24}},
+              "required": ["role", "line"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=served.model, messages=CHAT, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "speech", "schema": schema}})
+    value = json.loads(out.choices[0].message.content)
+    assert value["role"] in ("king", "fool") and len(value["line"]) <= 24 and set(value) == {"role", "line"}
+    assert out.model_extra["speculation"]["accepted_tokens"] > 0  # the draft worker masked its drafts
+    tools = [{"type": "function", "function": {"name": "exit", "parameters": {
+        "type": "object", "properties": {"who": {"enum": ["Hamlet", "Ghost"]}}, "required": ["who"]}}}]
+    call = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=40, temperature=0,
+                                          tools=tools, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert call.finish_reason == "tool_calls"
+    assert json.loads(call.message.tool_calls[0].function.arguments)["who"] in ("Hamlet", "Ghost")
+    # Parallel calls allowed: this model never stops calling; what max_tokens cut off is dropped and
+    # the calls completed before it come back, each valid.
+    many = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=40, temperature=0,
+                                          tools=tools, tool_choice="required").choices[0]
+    assert many.finish_reason == "length" and many.message.tool_calls
+    assert all(json.loads(c.function.arguments)["who"] in ("Hamlet", "Ghost") for c in many.message.tool_calls)
+
+
 def test_request_id_comes_back_once_and_names_the_response(served, http):
     """Under Serve the proxy echoes X-Request-Id (the client's, or one it made up); the response id
     is that same id, and the header is not doubled by the server's own echo."""
