@@ -12,6 +12,7 @@ solo runs.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -308,6 +309,18 @@ def test_handle_api_and_offline_llm_take_the_same_options(server):
     scored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     assert scored.token_ids == [] and scored.finish_reason == "length"
     assert [lp.token_id for lp in scored.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+
+    # structured outputs: the handle's guided_json and the offline StructuredOutput, same output
+    from dspark_ray import StructuredOutput
+
+    schema = {"type": "object", "properties": {"act": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["act"], "additionalProperties": False}
+    chunk = asyncio.run(server.complete(GenerateRequest(prompt=PROMPTS[2], max_tokens=20, guided_json=schema)))
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, structured=StructuredOutput.json_schema(schema)))[0]
+    assert chunk.token_ids == out.token_ids and chunk.finish_reason == out.finish_reason == "stop"
+    assert 1 <= json.loads(chunk.text)["act"] <= 5
+    with pytest.raises(Exception, match="guided_regex"):
+        asyncio.run(server.complete(GenerateRequest(prompt=PROMPTS[2], guided_regex="a(b")))
 
 
 def test_vllm_sampling_extensions(server):
