@@ -127,19 +127,26 @@ def check_slots(engine, seen: Observed) -> None:
         assert lease is not None and (lease.slot, lease.epoch) == (slot, engine.requests[req_id].epoch)
 
 
-@pytest.mark.parametrize("seed, rules, pipelined", [(0, False, False), (1, False, False), (2, True, False),
-                                                    (0, False, True), (2, True, True)])
-def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules, pipelined):
+@pytest.mark.parametrize("seed, rules, pipelined, budget", [
+    (0, False, False, None), (1, False, False, None), (2, True, False, None), (0, False, True, None),
+    (2, True, True, None), (3, True, False, 7), (1, False, True, 7)])
+def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules, pipelined, budget):
     """With ``rules`` requests also carry penalties, logit_bias, min_tokens, min_p and ask for logprobs.
 
     ``pipelined``: the engine drafts one half of the batch while it verifies
     the other (draft and target on threads of their own, as behind Ray), and
     every request must still produce what it produces alone in a sequential engine.
+    ``budget``: a step feeds at most this many target tokens, so prompts and
+    recomputes are prefilled in chunks whose boundaries depend on the crowd
+    (aborts and preemptions then land mid-prefill too).
     """
     schedule = random_schedule(seed, rules)
     build = make_pipelined_engine if pipelined else make_engine
-    engine = build(tiny_models.target, tiny_models.drafts["near"], **CONFIG)
+    config = {**CONFIG, "max_num_batched_tokens": budget} if budget else CONFIG
+    engine = build(tiny_models.target, tiny_models.drafts["near"], **config)
     results, seen = drive(engine, schedule)
+    if budget:
+        assert engine.counters.prefill_chunks > 0, "no prompt was chunked"
 
     # The schedule really exercised what it claims to.
     assert engine.counters.preemptions > 0, "no preemption happened"
@@ -156,7 +163,7 @@ def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules,
     for p in schedule:
         got = results[p.req_id]
         assert got.finished and got.error is None
-        alone = solo(tiny_models.target, tiny_models.drafts["near"], p.prompt, p.params, **CONFIG)
+        alone = solo(tiny_models.target, tiny_models.drafts["near"], p.prompt, p.params, **config)
         if got.finish_reason == "abort":
             assert got.token_ids == alone.token_ids[: len(got.token_ids)], p.req_id
             assert got.text == alone.text[: len(got.text)]

@@ -27,6 +27,7 @@ from engine_fixtures import (  # noqa: F401 - fixtures
     ProposalLog,
     TinyModels,
     assert_drained,
+    collect,
     generate,
     make_engine,
     run_all,
@@ -216,6 +217,58 @@ def test_tight_budgets(tiny_models: TinyModels, reference):
     for prompt, n, res in zip(prompts, MAX_TOKENS, results):
         assert res.token_ids == reference[tuple(prompt), n]
     assert_drained(engine, len(prompts))
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64])
+@pytest.mark.parametrize("draft", [None, "near"])
+def test_chunked_prefill_equals_transformers(tiny_models: TinyModels, reference, budget, draft):
+    """Prompts longer than the step's token budget are fed in chunks of at most ``budget`` tokens
+    (1: one token per step); greedy output is transformers', with and without speculation."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts[draft] if draft else None, num_speculative_tokens=3,
+                         draft_window=8, max_context=MAX_CONTEXT, capacity=4, max_num_seqs=4,
+                         max_num_batched_tokens=budget)
+    chunked = []
+    real_step = engine.target.step
+
+    def step(batch):  # what the target was really fed
+        chunked.extend(len(r.token_ids) for r in batch.rows if r.partial)
+        assert sum(len(r.token_ids) + len(r.draft_token_ids) for r in batch.rows) <= max(budget, 4) or \
+            len(batch.rows) == 1
+        return real_step(batch)
+
+    engine.target.step = step
+    prompts = prompt_set()
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n], (len(prompt), n)
+    assert chunked and max(chunked) <= budget and engine.counters.prefill_chunks == len(chunked)
+    assert_drained(engine, len(prompts))
+
+
+def test_decode_keeps_going_while_a_long_prompt_is_prefilled(tiny_models: TinyModels):
+    """A running stream gets tokens in every step while a prompt much longer than the budget is
+    chunked in beside it (the prefill takes only what the decode rows leave)."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3,
+                         draft_window=8, max_context=MAX_CONTEXT, capacity=4, max_num_batched_tokens=10,
+                         kv_pool_tokens=4 * MAX_CONTEXT)
+    short = engine.add_request([5, 6, 7], SamplingParams(max_tokens=MAX_CONTEXT - 3, ignore_eos=True))
+    results = {}
+    for _ in range(3):
+        collect(engine, results, engine.step())
+    long_prompt = prompt_set(1)[-1] * 2  # 80 tokens: eight steps' worth of budget or more
+    engine.add_request(long_prompt, SamplingParams(max_tokens=4))
+    steps_prefilling = 0
+    while engine.requests and any(r.num_tokens - r.target_len > 1 or r.prefill_chunk
+                                  for r in engine.requests.values() if r.req_id != short):
+        step = engine.step()
+        collect(engine, results, step)
+        outs = {o.req_id: o for o in step}
+        assert outs[short].new_token_ids, "the decode stream got nothing in a step with a prefill chunk"
+        assert not outs[short].finished, "the stream ended before the prefill did: make it longer"
+        steps_prefilling += 1
+    assert steps_prefilling >= 8 and engine.counters.prefill_chunks >= 7
+    run_all(engine, results=results)
+    assert_drained(engine, 2)
 
 
 def test_offline_api_text_prompts(tiny_models: TinyModels):

@@ -3,8 +3,10 @@
 The machine adds requests, runs steps and aborts requests in random order.
 Each step is checked against what the target would do with the plan: free
 the preempted requests' KV, then append every row's unseen tokens plus its
-drafts — which must fit in the pool (the scheduler's accounting is the
-target's) — then keep the accepted prefix. Invariants: every row is running
+drafts, or its partial prefill chunk — which must fit in the pool (the
+scheduler's accounting is the target's) and in the step's token budget — then
+keep the accepted prefix (a chunk keeps all and emits nothing). Decode rows
+are never left out for a prefill while they fit. Invariants: every row is running
 and distinct, no preempted request runs in the step that preempted it, at most
 ``max_num_seqs`` rows, at least one row whenever there is work (no stall), a
 preempted or skipped request keeps its tokens and slot, and every request
@@ -73,14 +75,32 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.preemptions += 1
         for r in plan.admitted:
             assert before[r.req_id][1] is Status.WAITING
-        for r in rows:  # the target appends unseen + drafts for every row
+        fed = 0
+        for r in rows:  # the target appends unseen + drafts for every row (a partial chunk: the chunk)
             k = plan.spec_tokens[r.req_id]
             assert 0 <= k <= min(r.num_spec_tokens, r.remaining_tokens() - 1)
             assert self.held.get(r.req_id, 0) == r.target_len
-            self.held[r.req_id] = r.num_tokens + k
+            if r.prefill_chunk:
+                assert k == 0 and 1 <= r.prefill_chunk < r.num_tokens - r.target_len, "a chunk leaves the last token"
+                self.held[r.req_id] = r.target_len + r.prefill_chunk
+                fed += r.prefill_chunk
+            else:
+                self.held[r.req_id] = r.num_tokens + k
+                fed += r.num_tokens - r.target_len + k
+        assert fed <= self.sched.config.max_num_batched_tokens or len(rows) == 1, \
+            f"{fed} tokens fed, the budget is {self.sched.config.max_num_batched_tokens}"
+        if any(r.prefill_chunk for r in rows):
+            event("chunked prefill")
+        decoding = [r for r in self.sched.running if r.num_tokens - r.target_len == 1]
+        if any(r.num_tokens - r.target_len > 1 for r in rows):  # a prefill (chunk) ran: no decode row waited
+            assert all(r in rows for r in decoding), "a decode row waited while a prefill took the step"
         in_use = sum(self.held.values())
         assert in_use <= self.pool, f"the plan needs {in_use} KV tokens, the pool has {self.pool}"
         for r in rows:  # verification: keep the accepted prefix, emit accepted + 1
+            if r.prefill_chunk:  # a partial chunk: KV kept, nothing emitted
+                r.target_len += r.prefill_chunk
+                r.prefill_chunk = 0
+                continue
             k = plan.spec_tokens[r.req_id]
             accepted = accepted_of(k)
             old = r.num_tokens

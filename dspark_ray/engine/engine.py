@@ -126,6 +126,7 @@ class EngineCounters:
     target_failures: int = 0
     resumed_after_target_failure: int = 0  # requests that lost their KV to a target failure and resumed
     preemptions: int = 0  # requests whose target KV was freed to make room (recomputed later)
+    prefill_chunks: int = 0  # partial prefill chunks run (long prompts split over steps)
     grammar_cut_drafts: int = 0  # draft tokens a structured output's grammar forbade (never verified)
     finished: dict[str, int] = field(default_factory=dict)
 
@@ -400,9 +401,11 @@ class Engine:
             toks, q = drafts.get(r.req_id, ([], None))
             # The prompt is scored when it is first fed (not again after a preemption's recompute).
             score_prompt = r.params.prompt_logprobs if r.target_len == 0 and r.prompt_logprobs is None else None
-            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len),
-                                  tuple(toks), sampling[r.req_id], r.params.logprobs, score_prompt,
-                                  allowed.get(r.req_id)))
+            fed = r.tokens_from(r.target_len)
+            if r.prefill_chunk:
+                fed = fed[:r.prefill_chunk]
+            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, fed, tuple(toks), sampling[r.req_id],
+                                  r.params.logprobs, score_prompt, allowed.get(r.req_id), bool(r.prefill_chunk)))
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []
@@ -416,7 +419,7 @@ class Engine:
         grammar allows no token at all ends here with an error, and leaves
         the plan."""
         masks = {}
-        for r in [r for r in plan.rows if r.grammar is not None]:
+        for r in [r for r in plan.rows if r.grammar is not None and not r.prefill_chunk]:
             toks, q = drafts.get(r.req_id, ([], None))
             try:
                 masks[r.req_id], n = r.grammar.masks(toks)
@@ -577,6 +580,11 @@ class Engine:
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []
         for i, (r, accepted, emitted) in enumerate(zip(plan.rows, result.num_accepted, result.emitted)):
+            if r.prefill_chunk:  # a partial prefill: its KV is committed, nothing is emitted yet
+                r.target_len += r.prefill_chunk
+                r.prefill_chunk = 0
+                self.counters.prefill_chunks += 1
+                continue
             k = len(drafts.get(r.req_id, ((), None))[0])
             old_len = r.num_tokens
             r.target_len = old_len + accepted

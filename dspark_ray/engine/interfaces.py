@@ -122,6 +122,8 @@ class VerifyRow:
     # (the pending token's and each draft's; J = len(draft_token_ids) + 1), applied to the
     # target's logits before anything else. None: unconstrained.
     allowed: torch.Tensor | None = None
+    # A partial prefill chunk: feed token_ids and keep their KV, emit nothing (no drafts).
+    partial: bool = False
 
 
 @dataclass(frozen=True)

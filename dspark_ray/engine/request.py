@@ -4,8 +4,10 @@ Token layout of a running request (``tokens = prompt + output``):
 
     positions  0 ............................ len(tokens)-1
     target KV  [0, target_len)                 target_len == len(tokens) - 1 after
-                                               every step: the last token is
-                                               "pending", fed in the next step
+                                               every step that emitted: the last
+                                               token is "pending", fed in the next
+                                               step; a chunked prefill advances it
+                                               by prefill_chunk and emits nothing
     draft KV   [0, draft_len)                  the draft catches up from draft_len
 """
 
@@ -80,7 +82,8 @@ class Request:
     error: str | None = None
     slot: int = 0
     epoch: int = -1
-    target_len: int = 0
+    target_len: int = 0  # committed target KV (positions 0..target_len-1)
+    prefill_chunk: int = 0  # tokens of a partial prefill in flight this step (0: the row feeds all it has not)
     draft_len: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None

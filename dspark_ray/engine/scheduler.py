@@ -3,7 +3,17 @@
 First come, first served. A step's batch is the running requests (rotated
 when there are more than ``max_num_seqs``, so none starves) plus admissions
 from the waiting queue while there is room in the batch, the token budget and
-the target KV pool. When the pool cannot hold the step, the most recently
+the target KV pool.
+
+Chunked prefill: a step feeds at most ``max_num_batched_tokens`` target
+tokens. Decode rows (one unseen token plus their drafts) are planned first;
+what is left of the budget goes to prefills, and a prompt (or a preempted
+request's recompute) that does not fit is fed in chunks over several steps:
+a partial chunk (``Request.prefill_chunk``) commits its KV and emits nothing;
+the chunk that reaches the last token emits the first one. The request keeps
+its slot (it is running) between chunks. Requests that score their prompt
+(``prompt_logprobs``) are not chunked. A first row always runs, so a budget
+smaller than one decode row still makes progress. When the pool cannot hold the step, the most recently
 admitted running request is preempted by recompute: its target KV is freed,
 but it keeps its slot, its draft cache and every token it produced, and it
 rejoins at the front of the waiting queue. A request left out of a step
@@ -11,7 +21,7 @@ keeps everything.
 
 KV accounting mirrors the target's pool exactly: a request holds
 ``target_len`` tokens between steps and needs ``num_tokens - target_len + k``
-more while a step runs (the unseen tokens plus k drafts).
+more while a step runs (the unseen tokens plus k drafts), or its chunk.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from dspark_ray.engine.request import Request, Status
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int  # rows per step
-    max_num_batched_tokens: int  # target tokens fed per step (a longer single prompt still runs alone)
+    max_num_batched_tokens: int  # target tokens fed per step (prefills beyond it are chunked)
     kv_pool_tokens: int  # usable tokens in the target KV pool
     max_context: int
     max_spec_tokens: int
@@ -74,7 +84,7 @@ class Scheduler:
         victims, self.running = self.running, []
         for req in reversed(victims):
             req.status = Status.PREEMPTED
-            req.target_len = 0
+            req.target_len = req.prefill_chunk = 0
             self.waiting.appendleft(req)
         return victims
 
@@ -109,8 +119,20 @@ class Scheduler:
         return max(0, min(req.num_spec_tokens, room))
 
     def need(self, req: Request) -> int:
-        """Extra KV tokens ``req`` needs while this step runs."""
+        """Extra KV tokens ``req`` needs while this step runs (as planned: its chunk, if partial)."""
+        if req.prefill_chunk:
+            return req.prefill_chunk
         return req.num_tokens - req.target_len + self.spec_tokens_for(req)
+
+    def _fit(self, req: Request, room: int, first: bool) -> int | None:
+        """The row ``req`` takes with ``room`` budget tokens left: 0 for all it has not fed (and its
+        drafts), n > 0 for a partial prefill chunk of n tokens, None if it waits this step."""
+        unseen = req.num_tokens - req.target_len
+        if unseen + self.spec_tokens_for(req) <= room:
+            return 0
+        if unseen > 1 and room >= 1 and req.params.prompt_logprobs is None:
+            return min(unseen - 1, room)  # the last token comes in the chunk that emits
+        return 0 if first else None
 
     def schedule(self, admit: bool = True, busy: Collection[str] = (), reserved: int = 0,
                  max_rows: int | None = None) -> StepPlan:
@@ -126,26 +148,41 @@ class Scheduler:
         kv_free = cfg.kv_pool_tokens - self.kv_in_use() - reserved
         max_rows = cfg.max_num_seqs if max_rows is None else min(max_rows, cfg.max_num_seqs)
         self._busy = busy
-        tokens = 0
-        for req in self._rotated_running():
+        tokens, full = 0, False
+        running = self._rotated_running()
+        # Decode rows first, then prefills in progress (chunked prompts, recomputes).
+        running = [r for r in running if r.num_tokens - r.target_len <= 1] + \
+                  [r for r in running if r.num_tokens - r.target_len > 1]
+        for req in running:
             if len(plan.rows) >= max_rows:
                 break
             if req.status is not Status.RUNNING or req.req_id in busy:  # preempted earlier in this step: it waits
                 continue
+            chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not plan.rows)
+            if chunk is None:  # the budget is spent: no prefill may take what decode rows could not
+                full = True
+                break
+            req.prefill_chunk = chunk
             need = self.need(req)
             while need > kv_free and (freed := self._preempt_one(plan, protect=req)) is not None:
                 kv_free += freed  # the rows planned so far keep what they reserved
             if need > kv_free:
+                req.prefill_chunk = 0
                 break
             kv_free -= need
             tokens += need
             plan.rows.append(req)
-        while self.waiting and len(plan.rows) < max_rows and not plan.preempted:
+        while self.waiting and len(plan.rows) < max_rows and not plan.preempted and not full:
             req = self.waiting[0]
             if req.status is Status.WAITING and not admit:
                 break
+            chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not plan.rows)
+            if chunk is None:
+                break
+            req.prefill_chunk = chunk
             need = self.need(req)
-            if need > kv_free or (plan.rows and tokens + need > cfg.max_num_batched_tokens):
+            if need > kv_free:
+                req.prefill_chunk = 0
                 break
             self.waiting.popleft()
             if req.status is Status.WAITING:
@@ -155,7 +192,7 @@ class Scheduler:
             kv_free -= need
             tokens += need
             plan.rows.append(req)
-        plan.spec_tokens = {r.req_id: self.spec_tokens_for(r) for r in plan.rows}
+        plan.spec_tokens = {r.req_id: 0 if r.prefill_chunk else self.spec_tokens_for(r) for r in plan.rows}
         return plan
 
     def _rotated_running(self) -> list[Request]:
@@ -176,7 +213,7 @@ class Scheduler:
             freed = victim.target_len
             self.running.remove(victim)
             victim.status = Status.PREEMPTED
-            victim.target_len = 0
+            victim.target_len = victim.prefill_chunk = 0
             self.waiting.appendleft(victim)
             plan.preempted.append(victim)
             return freed

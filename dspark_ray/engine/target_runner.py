@@ -3,7 +3,8 @@
 One ``step`` call feeds every row's unseen tokens plus its draft tokens,
 computes logits at the last k+1 positions, verifies the drafts and keeps KV
 for the accepted prefix only. Prefill is the same operation with more unseen
-tokens and usually no drafts.
+tokens and no drafts; a partial prefill chunk (``VerifyRow.partial``) keeps
+the KV of everything it fed and emits nothing.
 
 KV layout (SGLang's three levels): slot -> ``ReqToTokenTable`` row ->
 token indices -> per-layer K/V pools ``[kv_pool_size, kv_heads, head_dim]``.
@@ -140,11 +141,14 @@ class TargetRunner:
         indices = self.table.append([r.slot for r in rows], counts)
         logits, prompt_logits = self._forward(rows, counts, indices)  # [B, K+1, V], per row [n-1, V]
         emitted, accepted = self._verify(rows, logits, batch.draft_probs)
+        for b, r in enumerate(rows):
+            if r.partial:  # a prefill chunk: all its KV stays, nothing comes out
+                emitted[b], accepted[b] = [], 0
         kept = [r.start + len(r.token_ids) + a for r, a in zip(rows, accepted)]
         self.table.truncate([r.slot for r in rows], kept)
         logprobs = prompt_logprobs = None
         if any(r.logprobs is not None for r in rows):
-            logprobs = [None if r.logprobs is None else token_logprobs(logits[b, :len(e)], e, r.logprobs)
+            logprobs = [None if r.logprobs is None or r.partial else token_logprobs(logits[b, :len(e)], e, r.logprobs)
                         for b, (r, e) in enumerate(zip(rows, emitted))]
         if prompt_logits:
             prompt_logprobs = [self._prompt_logprobs(r, prompt_logits.get(b)) for b, r in enumerate(rows)]
