@@ -50,8 +50,8 @@ class AppConfig(BaseModel):
     )
     max_num_seqs: int = Field(32, ge=1, description="Requests in one engine step.")
     max_num_batched_tokens: int = Field(
-        4096, ge=1, description="Target tokens fed per step when admitting requests; a longer prompt still "
-        "runs, alone in its step (no chunked prefill yet).",
+        4096, ge=1, description="Target tokens fed per step. Decode rows go first; prompts take the rest and "
+        "a longer one is prefilled in chunks over several steps, so running streams keep their pace.",
     )
     max_queued_requests: int = Field(
         256, ge=1, description="Requests waiting for a slot per replica before new ones get 503 + Retry-After."
