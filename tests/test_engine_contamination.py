@@ -56,12 +56,18 @@ def random_rules(rng: random.Random, max_tokens: int) -> dict:
                 logprobs=rng.choice([None, 0, 3]), prompt_logprobs=rng.choice([None, 2]))
 
 
-def random_schedule(seed: int, rules: bool = False) -> list[Planned]:
+def random_schedule(seed: int, rules: bool = False, shared: bool = False) -> list[Planned]:
+    """``shared``: most prompts start with one of two 18-token prefixes (a prefix-cache block and
+    then some), so requests map blocks other requests computed, also while those still run."""
     rng = random.Random(seed)
     rules_rng = random.Random(seed + 1000)  # a separate stream: the base schedule of a seed stays the same
+    prefix_rng = random.Random(seed + 2000)
+    prefixes = [[prefix_rng.randrange(1, 4096) for _ in range(18)] for _ in range(2)]
     plan = []
     for i in range(NUM_REQUESTS):
         prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 16))]
+        if shared and prefix_rng.random() < 0.8:
+            prompt = prefix_rng.choice(prefixes) + prompt[:prefix_rng.randint(1, 6)]
         max_tokens = min(rng.randint(8, 30), CONFIG["max_context"] - len(prompt))
         spec = rng.choice([dict(), dict(), dict(num_speculative_tokens=rng.randint(0, 3)), dict(speculative=False)])
         if i % 2:
@@ -129,7 +135,8 @@ def check_slots(engine, seen: Observed) -> None:
 
 @pytest.mark.parametrize("seed, rules, pipelined, budget", [
     (0, False, False, None), (1, False, False, None), (2, True, False, None), (0, False, True, None),
-    (2, True, True, None), (3, True, False, 7), (1, False, True, 7)])
+    (2, True, True, None), (3, True, False, 7), (1, False, True, 7), (4, False, False, "shared"),
+    (5, True, True, "shared")])
 def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules, pipelined, budget):
     """With ``rules`` requests also carry penalties, logit_bias, min_tokens, min_p and ask for logprobs.
 
@@ -138,15 +145,23 @@ def test_random_schedule_matches_solo_runs(tiny_models: TinyModels, seed, rules,
     every request must still produce what it produces alone in a sequential engine.
     ``budget``: a step feeds at most this many target tokens, so prompts and
     recomputes are prefilled in chunks whose boundaries depend on the crowd
-    (aborts and preemptions then land mid-prefill too).
+    (aborts and preemptions then land mid-prefill too). "shared": prompts share
+    prefixes, so the target's prefix cache maps blocks other requests
+    computed, while they run and after they ended (the prefix cache is on in
+    every case; solo runs start with an empty cache).
     """
-    schedule = random_schedule(seed, rules)
+    shared = budget == "shared"
+    schedule = random_schedule(seed, rules, shared=shared)
     build = make_pipelined_engine if pipelined else make_engine
-    config = {**CONFIG, "max_num_batched_tokens": budget} if budget else CONFIG
+    config = {**CONFIG, "max_num_batched_tokens": budget} if isinstance(budget, int) else CONFIG
+    if shared:
+        config = {**CONFIG, "max_context": 64, "kv_pool_tokens": 70}
     engine = build(tiny_models.target, tiny_models.drafts["near"], **config)
     results, seen = drive(engine, schedule)
-    if budget:
+    if isinstance(budget, int):
         assert engine.counters.prefill_chunks > 0, "no prompt was chunked"
+    if shared:
+        assert engine.counters.prefix_cache_hit_tokens >= 3 * 16, "the prefix cache was hardly used"
 
     # The schedule really exercised what it claims to.
     assert engine.counters.preemptions > 0, "no preemption happened"

@@ -262,7 +262,10 @@ def bad_inputs(model: str):
         (H, {**msgs, "tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
         (H, {**msgs, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
              "response_format": {"type": "json_object"}}, "tool_choice"),
-        (H, {**msgs, "messages": [{"role": "tool", "content": None}]}, "messages.0"),
+        (H, {**msgs, "messages": [{"role": "tool", "content": None}]}, "messages.0.content"),
+        (H, {**msgs, "messages": [{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "y",
+             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages.1.tool_calls"),
         (C, {**cmpl, "frobnicate": 1}, "frobnicate"),
     ]
 

@@ -25,6 +25,8 @@ class EngineConfig:
     # Overlap one half of the batch's draft with the other half's verification when the
     # draft and the target run in other processes (Engine docstring); no effect in process.
     pipeline: bool = True
+    # Automatic prefix caching in the target's KV pool (dspark_ray/slots/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:

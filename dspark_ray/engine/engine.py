@@ -127,6 +127,8 @@ class EngineCounters:
     resumed_after_target_failure: int = 0  # requests that lost their KV to a target failure and resumed
     preemptions: int = 0  # requests whose target KV was freed to make room (recomputed later)
     prefill_chunks: int = 0  # partial prefill chunks run (long prompts split over steps)
+    prefix_cache_query_tokens: int = 0  # prompt tokens of prefills that could use the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of them, found in the target's prefix cache (not computed)
     grammar_cut_drafts: int = 0  # draft tokens a structured output's grammar forbade (never verified)
     finished: dict[str, int] = field(default_factory=dict)
 
@@ -405,7 +407,8 @@ class Engine:
             if r.prefill_chunk:
                 fed = fed[:r.prefill_chunk]
             rows.append(VerifyRow(r.slot, r.epoch, r.target_len, fed, tuple(toks), sampling[r.req_id],
-                                  r.params.logprobs, score_prompt, allowed.get(r.req_id), bool(r.prefill_chunk)))
+                                  r.params.logprobs, score_prompt, allowed.get(r.req_id), bool(r.prefill_chunk),
+                                  r.params.prefix_cache, r.params.cache_salt))
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []
@@ -580,6 +583,11 @@ class Engine:
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []
         for i, (r, accepted, emitted) in enumerate(zip(plan.rows, result.num_accepted, result.emitted)):
+            if result.cached_tokens is not None and result.cached_tokens[i]:
+                r.cached_tokens += result.cached_tokens[i]
+                self.counters.prefix_cache_hit_tokens += result.cached_tokens[i]
+            if r.target_len == 0 and r.params.prefix_cache:
+                self.counters.prefix_cache_query_tokens += len(r.prompt_token_ids)
             if r.prefill_chunk:  # a partial prefill: its KV is committed, nothing is emitted yet
                 r.target_len += r.prefill_chunk
                 r.prefill_chunk = 0
@@ -696,4 +704,5 @@ class Engine:
                              s.mean_acceptance_length) if req.finished else None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=req.cached_tokens,
         )

@@ -124,6 +124,10 @@ class VerifyRow:
     allowed: torch.Tensor | None = None
     # A partial prefill chunk: feed token_ids and keep their KV, emit nothing (no drafts).
     partial: bool = False
+    # Prefix caching (dspark_ray/slots/prefix_cache.py): may the target map cached blocks for the
+    # start of token_ids, and register this row's blocks; blocks are shared only under equal salts.
+    prefix_cache: bool = True
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,8 @@ class VerifyResult:
     logprobs: list[list[TokenLogprob] | None] | None = None
     # Per row, when it asked: one per token_ids entry, None for the first.
     prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
+    # Per row: tokens of token_ids the target found in its prefix cache (not computed).
+    cached_tokens: list[int] | None = None
 
 
 class SlotService(Protocol):

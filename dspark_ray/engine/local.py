@@ -13,7 +13,7 @@ from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
-from dspark_ray.engine.target_runner import TargetRunner
+from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
 from dspark_ray.model import load
 from dspark_ray.model.tp import TensorParallel
 from dspark_ray.slots import SlotRegistry
@@ -35,7 +35,7 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
     """
     model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp)
     return TargetRunner(model, config.capacity, config.max_context, config.kv_tokens + 1, config.spec_tokens,
-                        vocab_limit)
+                        vocab_limit, PREFIX_BLOCK if config.enable_prefix_caching else None)
 
 
 def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:

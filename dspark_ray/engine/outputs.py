@@ -41,6 +41,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     # The prompt's, on the request's first output when asked for: None for the first prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the target's prefix cache gave so far (not computed)
 
 
 @dataclass

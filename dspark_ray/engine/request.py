@@ -86,6 +86,7 @@ class Request:
     prefill_chunk: int = 0  # tokens of a partial prefill in flight this step (0: the row feeds all it has not)
     draft_len: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    cached_tokens: int = 0  # prompt tokens the target's prefix cache gave (not computed)
     first_token_time: float | None = None
     finish_time: float | None = None
     # Set once the target scored the prompt (params.prompt_logprobs), handed out with the next output.

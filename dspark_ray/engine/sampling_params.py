@@ -48,6 +48,13 @@ class SamplingParams:
     verified position and in the drafts, and the request ends when the
     grammar is complete.
 
+    Prefix caching: the target reuses the KV of an earlier request's equal
+    prefix (in blocks of 16 tokens) instead of computing it; output is the
+    same. ``prefix_cache=False`` keeps a request out of the cache (it neither
+    reuses nor adds blocks); ``cache_salt`` shares blocks only among requests
+    with the same salt (one tenant's prompts cannot be probed by another's
+    timings).
+
     ``logprobs = N`` reports, per output token, its log-probability under the
     target and the N most likely alternatives; ``prompt_logprobs = N`` does the
     same for the prompt (the first token has none). Both are the target
@@ -79,6 +86,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     n: int = 1
     structured: StructuredOutput | None = None  # the output must match this grammar
+    prefix_cache: bool = True  # may reuse (and add to) the target's prefix cache
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +125,8 @@ class SamplingParams:
         self._check_logprobs()
         from dspark_ray.engine.structured import StructuredOutput  # it imports this module
 
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequest("cache_salt", "must be a non-empty string")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequest("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
 

@@ -21,6 +21,8 @@ communication.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.slots import ReqToTokenTable
+from dspark_ray.slots.prefix_cache import CachedTable, PrefixCache
 
 
 # CUDA only. With a boolean mask, scaled_dot_product_attention's default backend choice paid a
@@ -43,6 +46,9 @@ from dspark_ray.slots import ReqToTokenTable
 # does not depend on having seen the shape, and the key length is rounded up to a multiple of 64
 # (padding keys are masked) so shapes repeat and the mask needs no realignment copy.
 KEY_BUCKET = 64
+
+# Tokens per prefix-cache block (vLLM's default block size).
+PREFIX_BLOCK = 16
 CUDA_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -50,37 +56,70 @@ class StaleSlotState(RuntimeError):
     """A row's start position disagrees with the KV the slot holds (a bookkeeping bug)."""
 
 
-class PagedAttention:
-    """Attention callable for one step: writes new K/V to the pool, attends through the table."""
+@dataclass
+class AttentionGroup:
+    """Rows of similar length attended together: their queries padded to ``T``, keys to ``L``."""
+
+    queries: torch.Tensor  # [G, T] int64: each query's place in the packed step (padding: 0, unused)
+    valid: torch.Tensor  # [G, T] bool: real queries
+    key_index: torch.Tensor  # [G, L] int64: pool index of each key position
+    mask: torch.Tensor  # [G, 1, T, L] bool, True = attend
+
+
+class PackedAttention:
+    """Attention callable for one packed step: writes new K/V to the pool, attends through the table.
+
+    The step's tokens are packed into one sequence (``[1, N]``: no padding in
+    the projections and MLPs, where the arithmetic is), and each group of
+    rows of similar length attends with its queries padded only to the
+    group's longest row, so a prefill chunk beside decode rows costs its own
+    tokens, not batch x longest row.
+    """
 
     def __init__(
         self,
         k_pools: list[torch.Tensor],  # per layer [P, Hkv, D]
         v_pools: list[torch.Tensor],
-        write_index: torch.Tensor,  # [B, T] int64 pool index per new entry (0 = padding)
-        key_index: torch.Tensor,  # [B, L] int64 pool index per key position
-        mask: torch.Tensor,  # [B, 1, T, L] bool, True = attend
+        write_index: torch.Tensor,  # [N] int64 pool index of each new token
+        groups: list[AttentionGroup],
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
-        self.write_index, self.key_index, self.mask = write_index, key_index, mask
+        self.write_index, self.groups = write_index, groups
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
-        flat = self.write_index.flatten()
-        k_pool[flat] = k.reshape(-1, *k.shape[2:]).to(k_pool.dtype)
-        v_pool[flat] = v.reshape(-1, *v.shape[2:]).to(v_pool.dtype)
-        n_rep = q.shape[2] // k.shape[2]
-        keys = k_pool[self.key_index].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_pool[self.key_index].transpose(1, 2)
-        gqa = {}
-        if n_rep > 1 and q.is_cuda:  # the pinned CUDA kernels take equal head counts
-            keys = keys.repeat_interleave(n_rep, dim=1)
-            values = values.repeat_interleave(n_rep, dim=1)
-        elif n_rep > 1:  # on CPU the kernel shares each K/V head itself, without the copies
-            gqa = {"enable_gqa": True}
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=self.mask, **gqa)
-        return out.transpose(1, 2)  # [B, T, Hq, D]
+        k_pool[self.write_index] = k[0].to(k_pool.dtype)
+        v_pool[self.write_index] = v[0].to(v_pool.dtype)
+        q = q[0]  # [N, Hq, D]
+        out = torch.empty_like(q)
+        n_rep = q.shape[1] // k.shape[2]
+        for g in self.groups:
+            keys = k_pool[g.key_index].transpose(1, 2)  # [G, Hkv, L, D]
+            values = v_pool[g.key_index].transpose(1, 2)
+            gqa = {}
+            if n_rep > 1 and q.is_cuda:  # the pinned CUDA kernels take equal head counts
+                keys = keys.repeat_interleave(n_rep, dim=1)
+                values = values.repeat_interleave(n_rep, dim=1)
+            elif n_rep > 1:  # on CPU the kernel shares each K/V head itself, without the copies
+                gqa = {"enable_gqa": True}
+            res = F.scaled_dot_product_attention(q[g.queries].transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                                 attn_mask=g.mask, **gqa)  # [G, Hq, T, D]
+            out[g.queries[g.valid]] = res.transpose(1, 2)[g.valid]
+        return out[None]  # [1, N, Hq, D]
+
+
+def group_rows(counts: list[int], spread: int = 2) -> list[list[int]]:
+    """Row indices grouped by length: within a group the longest row is at most ``spread`` times
+    the shortest (or one longer than it), so padding queries to a group's longest row wastes
+    little. Decode rows (k + 1 tokens) end up together, prefill chunks apart."""
+    order = sorted(range(len(counts)), key=lambda b: counts[b])
+    groups: list[list[int]] = []
+    for b in order:
+        if groups and counts[b] <= max(spread * counts[groups[-1][0]], counts[groups[-1][0]] + 1):
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 class TargetRunner:
@@ -94,8 +133,10 @@ class TargetRunner:
         kv_pool_size: int,
         max_spec_tokens: int,
         vocab_limit: int | None = None,
+        prefix_block: int | None = PREFIX_BLOCK,
     ) -> None:
-        """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never emitted."""
+        """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never emitted.
+        ``prefix_block``: tokens per prefix-cache block; None turns prefix caching off."""
         self.model = model
         self.max_spec_tokens = max_spec_tokens
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.config.vocab_size else None
@@ -108,6 +149,8 @@ class TargetRunner:
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.slot_epoch = [-1] * (capacity + 1)
+        self.prefix_cache = PrefixCache(prefix_block, capacity) if prefix_block else None
+        self.kv = CachedTable(self.table, self.prefix_cache)
         self.sliding_window = cfg.sliding_window
         # On CUDA: the attention's key length is rounded up and its backend pinned (see KEY_BUCKET).
         cuda = self.device.type == "cuda"
@@ -120,14 +163,30 @@ class TargetRunner:
         return self.table.allocator.size - 1
 
     def kv_free(self) -> int:
-        return self.table.available()
+        """Free KV tokens, counting the prefix cache's unreferenced blocks (evicted on demand)."""
+        return self.kv.available()
 
     def release(self, slots: list[int]) -> None:
-        held = [s for s in slots if int(self.table.lengths[s]) > 0]
-        if held:
-            self.table.release(held)
+        self.kv.release(slots)
         for s in slots:
             self.slot_epoch[s] = -1
+
+    def _map_cached(self, rows: list[VerifyRow]) -> tuple[list[VerifyRow], list[int]]:
+        """Rows whose start is in the prefix cache: the cached blocks mapped into their slots and
+        the rows shifted past them (at least one token stays to be fed: the logits need it)."""
+        out, cached = [], []
+        for r in rows:
+            m = 0
+            if r.prefix_cache:
+                if r.start == 0:
+                    self.kv.begin(r.slot, r.cache_salt)
+                if r.prompt_logprobs is None and len(r.token_ids) > 1:  # a prefill (a scored prompt is fed whole)
+                    m = self.kv.map_prefix(r.slot, r.start, r.token_ids, len(r.token_ids) - 1)
+                    if m:
+                        r = dataclasses.replace(r, start=r.start + m, token_ids=r.token_ids[m:])
+            out.append(r)
+            cached.append(m)
+        return out, cached
 
     @torch.inference_mode()
     def step(self, batch: TargetStep) -> VerifyResult:
@@ -137,15 +196,19 @@ class TargetRunner:
         if not rows:
             return VerifyResult([], [])
         self._bind(rows)
+        rows, cached = self._map_cached(rows)
         counts = [len(r.token_ids) + len(r.draft_token_ids) for r in rows]
-        indices = self.table.append([r.slot for r in rows], counts)
+        indices = self.kv.append([r.slot for r in rows], counts)
         logits, prompt_logits = self._forward(rows, counts, indices)  # [B, K+1, V], per row [n-1, V]
         emitted, accepted = self._verify(rows, logits, batch.draft_probs)
         for b, r in enumerate(rows):
             if r.partial:  # a prefill chunk: all its KV stays, nothing comes out
                 emitted[b], accepted[b] = [], 0
         kept = [r.start + len(r.token_ids) + a for r, a in zip(rows, accepted)]
-        self.table.truncate([r.slot for r in rows], kept)
+        self.kv.truncate([r.slot for r in rows], kept)
+        for r, k in zip(rows, kept):  # the prefix cache registers the blocks they filled
+            if r.prefix_cache:
+                self.kv.commit(r.slot, (r.token_ids + r.draft_token_ids)[:k - r.start])
         logprobs = prompt_logprobs = None
         if any(r.logprobs is not None for r in rows):
             logprobs = [None if r.logprobs is None or r.partial else token_logprobs(logits[b, :len(e)], e, r.logprobs)
@@ -153,7 +216,7 @@ class TargetRunner:
         if prompt_logits:
             prompt_logprobs = [self._prompt_logprobs(r, prompt_logits.get(b)) for b, r in enumerate(rows)]
         return VerifyResult(num_accepted=accepted, emitted=emitted, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, cached_tokens=cached)
 
     @staticmethod
     def _prompt_logprobs(row: VerifyRow, logits: torch.Tensor | None) -> list[TokenLogprob | None] | None:
@@ -180,50 +243,66 @@ class TargetRunner:
     def _forward(self, rows: list[VerifyRow], counts: list[int],
                  indices: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Logits at each row's last k+1 entries [B, K+1, V], and for rows asking for prompt
-        log-probabilities the logits before each of their fed tokens (row b -> [n_b - 1, V])."""
-        B, T = len(rows), max(counts)
+        log-probabilities the logits before each of their fed tokens (row b -> [n_b - 1, V]).
+
+        The rows' tokens are packed into one sequence (``PackedAttention``); a
+        row's k+1 logits positions past its own tokens (fewer drafts than k)
+        repeat its last one and are never read."""
+        N = sum(counts)
         K1 = self.max_spec_tokens + 1
         dev = self.device
-        tokens = torch.zeros((B, T), dtype=torch.int64)
-        positions = torch.zeros((B, T), dtype=torch.int64)
-        write_index = torch.zeros((B, T), dtype=torch.int64)
-        offset = 0
         vocab = self.model.config.vocab_size
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        tokens = torch.empty(N, dtype=torch.int64)
+        positions = torch.empty(N, dtype=torch.int64)
         for b, (r, n) in enumerate(zip(rows, counts)):
             # A draft whose vocabulary is wider than the target's (padded embeddings) can propose
             # ids the target does not have: verification rejects them, so feed a valid id instead.
             drafts = tuple(t if t < vocab else 0 for t in r.draft_token_ids)
-            tokens[b, :n] = torch.tensor(r.token_ids + drafts)
-            positions[b, :n] = torch.arange(r.start, r.start + n)
-            positions[b, n:] = r.start + n - 1  # padding queries repeat the last position
-            write_index[b, :n] = indices[offset:offset + n]
-            offset += n
-        lengths = torch.tensor([r.start + n for r, n in zip(rows, counts)])
+            tokens[offsets[b]:offsets[b + 1]] = torch.tensor(r.token_ids + drafts)
+            positions[offsets[b]:offsets[b + 1]] = torch.arange(r.start, r.start + n)
+        groups = [self._group(rows, counts, offsets, members) for members in group_rows(counts)]
+        attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups)
+        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
+        with backends:
+            hidden = self.model.hidden_states(tokens[None].to(dev), positions[None].to(dev), attention)[0]  # [N, H]
+        # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
+        first = torch.tensor([offsets[b] + len(r.token_ids) - 1 for b, r in enumerate(rows)])
+        last = torch.tensor(offsets[1:]) - 1
+        gather = torch.minimum(first[:, None] + torch.arange(K1)[None, :], last[:, None])  # [B, K+1]
+        picked = hidden[gather.to(dev)]  # [B, K+1, H]
+        prompt_logits = {
+            b: mask_vocab(self.model.logits(hidden[offsets[b]:offsets[b] + len(r.token_ids) - 1]), self.vocab_limit)
+            for b, r in enumerate(rows) if r.prompt_logprobs is not None
+        }
+        return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits
+
+    def _group(self, rows: list[VerifyRow], counts: list[int], offsets: list[int],
+               members: list[int]) -> AttentionGroup:
+        """The attention inputs of some rows: queries padded to the longest, keys to the longest context."""
+        T = max(counts[b] for b in members)
+        lengths = torch.tensor([rows[b].start + counts[b] for b in members])  # [G] keys per row
         L = int(lengths.max())
         if self.key_bucket > 1:
             # Keys padded to a bucket (masked off): shape-keyed GPU attention plans are reused
             # instead of rebuilt at every new context length.
             L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
-        slots = torch.tensor([r.slot for r in rows])
-        key_index = self.table.table[slots.to(dev), :L].long()  # [B, L]
+        steps = torch.arange(T)[None, :]  # [1, T]
+        n = torch.tensor([counts[b] for b in members])[:, None]  # [G, 1]
+        valid = steps < n  # [G, T]
+        queries = torch.where(valid, torch.tensor([offsets[b] for b in members])[:, None] + steps, 0)
+        starts = torch.tensor([rows[b].start for b in members])[:, None]
+        positions = starts + torch.minimum(steps, n - 1)  # padding queries repeat the last position
         key_pos = torch.arange(L)[None, None, :]
         mask = (key_pos <= positions[:, :, None]) & (key_pos < lengths[:, None, None])
         if self.sliding_window is not None:  # Mistral-style: a query at p sees keys p - window < k <= p
             mask &= key_pos > positions[:, :, None] - self.sliding_window
-        attention = PagedAttention(self.k_pools, self.v_pools, write_index.to(dev), key_index,
-                                   mask[:, None].to(dev))
-        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
-        with backends:
-            hidden = self.model.hidden_states(tokens.to(dev), positions.to(dev), attention)  # [B, T, H]
-        # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
-        first = torch.tensor([len(r.token_ids) - 1 for r in rows])
-        gather = (first[:, None] + torch.arange(K1)[None, :]).clamp(max=T - 1)  # [B, K+1]
-        picked = hidden[torch.arange(B)[:, None], gather.to(dev)]  # [B, K+1, H]
-        prompt_logits = {
-            b: mask_vocab(self.model.logits(hidden[b, :len(r.token_ids) - 1]), self.vocab_limit)
-            for b, r in enumerate(rows) if r.prompt_logprobs is not None
-        }
-        return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits
+        slots = torch.tensor([rows[b].slot for b in members])
+        dev = self.device
+        return AttentionGroup(queries.to(dev), valid.to(dev), self.table.table[slots.to(dev), :L].long(),
+                              mask[:, None].to(dev))
 
     def _verify(self, rows: list[VerifyRow], logits: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:

@@ -80,6 +80,11 @@ class AppConfig(BaseModel):
         True, description="Draft one half of the batch while the target verifies the other (engine/engine.py: "
         "pipelined steps); false runs draft and verification of the whole batch one after the other.",
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the target KV of equal prompt prefixes (blocks of 16 tokens: system prompts, "
+        "chat history) instead of computing them again; output is unchanged. Requests opt out with "
+        "prefix_cache: false and keep tenants apart with cache_salt.",
+    )
     tool_call_parser: str | None = Field(
         "hermes", description="How the model writes tool calls, for tool_choice auto: hermes "
         "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3, the shipped pair's template) or llama3_json; null "
@@ -155,4 +160,5 @@ class AppConfig(BaseModel):
             dtype=self.dtype,
             device=self.device,
             pipeline=self.pipeline,
+            enable_prefix_caching=self.enable_prefix_caching,
         )

@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dspark_ray.engine import InvalidRequest, SamplingParams
 from dspark_ray.engine.outputs import SpecSummary, TokenLogprob
@@ -63,6 +63,10 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM extension: keep the prompt's last N.")
     speculative: bool = Field(True, description="dspark extension: turn speculation off for this request.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="dspark extension: this request's k.")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="vLLM extension: prefix-cache "
+                                   "blocks are shared only between requests with the same salt.")
+    prefix_cache: bool = Field(True, description="dspark extension: false keeps this request out of the "
+                                                 "prefix cache (it neither reuses nor adds blocks).")
     response_format: ResponseFormat | None = Field(None, description="{'type': 'text' | 'json_object' | "
                                                                      "'json_schema', 'json_schema': {...}}.")
     guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output follows.")
@@ -121,6 +125,8 @@ class SamplingFields(BaseModel):
             "speculative": self.speculative,
             "num_speculative_tokens": self.num_speculative_tokens,
             "structured": self.structured_output(),
+            "prefix_cache": self.prefix_cache,
+            "cache_salt": self.cache_salt,
             **extra,
         })
 
@@ -290,20 +296,26 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
-    name: str | None = None
     tool_calls: list[MessageToolCall] | None = Field(None, description="Assistant messages: the calls it made.")
+    content: str | list[dict] | None = Field(None, validate_default=True)  # after tool_calls: its check reads them
+    name: str | None = None
     tool_call_id: str | None = Field(None, description="Tool messages: the call this answers.")
     reasoning_content: str | None = Field(None, description="Accepted on assistant messages and not rendered "
                                                             "(earlier turns' reasoning is not fed back).")
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
-        if self.tool_calls and self.role != "assistant":
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value, info: ValidationInfo):
+        if value and info.data.get("role") != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
-        return self
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_given(cls, value, info: ValidationInfo):
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        return value
 
     def rendered(self) -> dict:
         """The message as the chat template sees it. ``developer`` (OpenAI's newer name for the
@@ -452,10 +464,15 @@ class Speculation(BaseModel):
         return None if s is None else cls(**s.__dict__)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens the prefix cache gave (not computed).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def new_id(prefix: str) -> str:

@@ -38,6 +38,7 @@ from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
 from dspark_ray.serve.metrics import ServingMetrics, vllm_spec_decode_text
 from dspark_ray.serve.choices import Choice, ChoiceStreams, fan_out
 from dspark_ray.serve.protocol import (
+    PromptTokensDetails,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateChunk,
@@ -513,13 +514,17 @@ def _best(choices: list[Choice], keep: int) -> list[Choice]:
 def _total_usage(choices: list[Choice]) -> Usage:
     """Each prompt counted once, every generated token counted."""
     prompt = sum({c.prompt: c.last.num_prompt_tokens for c in choices}.values())
+    cached = sum({c.prompt: c.last.num_cached_tokens for c in choices}.values())
     completion = sum(c.last.num_output_tokens for c in choices)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached, prompt)))
 
 
 def _usage(out: RequestOutput) -> Usage:
     return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                 total_tokens=out.num_prompt_tokens + out.num_output_tokens)
+                 total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=min(out.num_cached_tokens, out.num_prompt_tokens)))
 
 
 # The app is late-bound: Serve calls ``__serve_build_asgi_app__`` on each replica after the constructor.

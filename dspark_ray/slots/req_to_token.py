@@ -138,8 +138,11 @@ class ReqToTokenTable:
         self.lengths[list(slots)] = starts + counts_t
         return indices
 
-    def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
-        """Shortens each slot to ``lengths[i]`` positions, freeing the tail's tokens (rollback)."""
+    def truncate(self, slots: Sequence[int], lengths: Sequence[int], keep: torch.Tensor | None = None) -> None:
+        """Shortens each slot to ``lengths[i]`` positions, freeing the tail's tokens (rollback).
+
+        ``keep``: [cut positions, slot by slot] bool, True for pool indices that are
+        not the slot's to free (a prefix cache's blocks): they leave the row only."""
         self._check_slots(slots)
         old = self.lengths[list(slots)]  # [B]
         new = torch.as_tensor(lengths, dtype=torch.int64)  # [B]
@@ -147,9 +150,22 @@ class ReqToTokenTable:
             raise ValueError(f"truncate needs 0 <= length <= current {old.tolist()}, got {list(lengths)}")
         rows, cols = _spans(torch.as_tensor(slots, dtype=torch.int64), new, old - new)
         rows, cols = rows.to(self.table.device), cols.to(self.table.device)
-        self.allocator.free(self.table[rows, cols])
+        cut = self.table[rows, cols]
+        if keep is not None:
+            assert keep.shape == cut.shape, f"keep has {keep.numel()} entries for {cut.numel()} cut positions"
+            cut = cut[~keep.to(cut.device)]
+        self.allocator.free(cut)
         self.table[rows, cols] = PADDING_TOKEN
         self.lengths[list(slots)] = new
+
+    def map(self, slot: int, indices: torch.Tensor) -> None:  # [n] int64
+        """Appends existing pool indices (shared, not allocated: a prefix cache's blocks) to ``slot``."""
+        self._check_slots([slot])
+        start, n = int(self.lengths[slot]), indices.numel()
+        if start + n > self.max_context:
+            raise ValueError(f"mapping {n} positions to slot {slot} exceeds max_context {self.max_context}")
+        self.table[slot, start:start + n] = indices.to(device=self.table.device, dtype=torch.int32)
+        self.lengths[slot] = start + n
 
     def release(self, slots: Sequence[int]) -> None:
         """Frees all tokens of each slot (the request ended)."""

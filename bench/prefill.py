@@ -1,0 +1,154 @@
+"""Long prompts beside running streams: chunked prefill against whole-prompt prefill, side by side.
+
+    .venv/bin/python bench/prefill.py                     # 8 streams, 400-token prompts arriving
+    .venv/bin/python bench/prefill.py --streams 16 --prompt-tokens 480 --budgets 32 64 4096
+
+The in-process engine (the shipped pair, k=4, one torch thread unless
+--threads) runs --streams greedy streams of --stream-tokens tokens; every
+--every steps a long prompt (--prompt-tokens tokens, --prompt-output tokens
+out) arrives, while the streams run. Each --budgets value is one run with
+that ``max_num_batched_tokens``: a small budget feeds the long prompts in
+chunks beside the streams (decode rows first), 4096 feeds each whole in one
+step. The runs alternate, --rounds times, so the machine's drift hits each
+alike.
+
+Figures per budget: the streams' inter-token latency p50 / p99 / max (ms
+between two deliveries of one stream; a delivery carries 1..k+1 tokens),
+their throughput, the long prompts' time to first token (mean), and the
+steps and chunks run. The aim (issue 16): the streams' p99 within 2x of
+their p50 while prompts arrive. Results go to bench/out/prefill.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BENCH_DIR, DRAFT, TARGET, load_prompts, machine  # noqa: E402
+
+
+@dataclass
+class Row:
+    budget: int
+    rounds: int
+    itl_p50_ms: float
+    itl_p99_ms: float
+    itl_max_ms: float
+    stream_tok_s: float
+    long_ttft_ms: float
+    steps: int
+    prefill_chunks: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def one_run(engine, args, seed: int) -> tuple[list[float], float, int, list[float], int, int]:
+    """(stream ITLs in ms, stream tokens/s, stream tokens, long TTFTs in ms, steps, chunks)."""
+    from dspark_ray.engine import SamplingParams
+
+    rng = random.Random(seed)
+    tok = engine.tokenizer
+    corpus = tok.encode(" ".join(load_prompts(64)), add_special_tokens=False)
+    streams = {engine.add_request(p, SamplingParams(max_tokens=args.stream_tokens, ignore_eos=True)): []
+               for p in load_prompts(args.streams)}
+    longs: dict[str, list[float]] = {}
+    steps0, chunks0 = engine.counters.steps, engine.counters.prefill_chunks
+    start = time.perf_counter()
+    stream_tokens, step = 0, 0
+    while engine.has_unfinished():
+        if step % args.every == args.every - 1 and any(streams):
+            at = rng.randrange(0, len(corpus) - args.prompt_tokens)
+            rid = engine.add_request(corpus[at:at + args.prompt_tokens],
+                                     SamplingParams(max_tokens=args.prompt_output, ignore_eos=True))
+            longs[rid] = [time.perf_counter()]
+        outs = engine.step()
+        now = time.perf_counter()
+        step += 1
+        for out in outs:
+            if out.req_id in streams and out.new_token_ids:
+                streams[out.req_id].append(now)
+                stream_tokens += len(out.new_token_ids)
+            elif out.req_id in longs and out.new_token_ids and len(longs[out.req_id]) == 1:
+                longs[out.req_id].append(now)
+    seconds = time.perf_counter() - start
+    itl = [1e3 * (b - a) for times in streams.values() for a, b in zip(times, times[1:])]
+    ttft = [1e3 * (t[1] - t[0]) for t in longs.values() if len(t) == 2]
+    return (itl, stream_tokens / seconds, stream_tokens, ttft, engine.counters.steps - steps0,
+            engine.counters.prefill_chunks - chunks0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=TARGET)
+    ap.add_argument("--draft", type=Path, default=DRAFT)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[64, 4096])
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=160)
+    ap.add_argument("--prompt-tokens", type=int, default=400)
+    ap.add_argument("--prompt-output", type=int, default=4)
+    ap.add_argument("--every", type=int, default=6, help="a long prompt arrives every this many steps")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--name", default="prefill")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from dspark_ray.engine.config import EngineConfig
+    from dspark_ray.engine.local import build_local_engine
+
+    engines = {}
+    for budget in args.budgets:
+        cfg = EngineConfig(model=str(args.model), draft=str(args.draft), num_speculative_tokens=args.k, capacity=64,
+                           max_num_seqs=64, max_context=1024, kv_pool_tokens=64 * 1024,
+                           max_num_batched_tokens=budget)
+        engines[budget] = build_local_engine(cfg)
+        one_run(engines[budget], argparse.Namespace(**{**vars(args), "streams": 2, "stream_tokens": 8}), 0)  # warm-up
+    acc = {b: {"itl": [], "tok": 0, "sec": 0.0, "ttft": [], "steps": 0, "chunks": 0} for b in args.budgets}
+    for r in range(args.rounds):
+        for budget in args.budgets:
+            itl, tok_s, tokens, ttft, steps, chunks = one_run(engines[budget], args, seed=r)
+            a = acc[budget]
+            a["itl"] += itl
+            a["tok"] += tokens
+            a["sec"] += tokens / tok_s
+            a["ttft"] += ttft
+            a["steps"] += steps
+            a["chunks"] += chunks
+    rows = [Row(b, args.rounds, round(percentile(a["itl"], 50), 1), round(percentile(a["itl"], 99), 1),
+                round(max(a["itl"]), 1), round(a["tok"] / a["sec"], 1),
+                round(sum(a["ttft"]) / max(1, len(a["ttft"])), 1), a["steps"], a["chunks"])
+            for b, a in acc.items()]
+    lines = ["| max_num_batched_tokens | stream ITL p50 ms | p99 ms | p99 / p50 | max ms | stream tok/s | "
+             "long-prompt TTFT ms | steps | prefill chunks |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row.budget} | {row.itl_p50_ms} | {row.itl_p99_ms} | {row.itl_p99_ms / row.itl_p50_ms:.2f} | "
+                     f"{row.itl_max_ms} | {row.stream_tok_s} | {row.long_ttft_ms} | {row.steps} | "
+                     f"{row.prefill_chunks} |")
+    print("\n".join(lines))
+    out = BENCH_DIR / "out"
+    out.mkdir(exist_ok=True)
+    cmd = "python bench/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (out / f"{args.name}.md").write_text("\n".join([
+        f"# Long prompts beside running streams ({time.strftime('%Y-%m-%d %H:%M')})", "",
+        f"`{cmd}` on {machine()}: {args.streams} streams of {args.stream_tokens} tokens, a "
+        f"{args.prompt_tokens}-token prompt every {args.every} steps, k={args.k}, {args.rounds} rounds.", "",
+        *lines, ""]))
+    (out / f"{args.name}.json").write_text(json.dumps({"machine": machine(), "args": vars(args) | {"model": str(
+        args.model), "draft": str(args.draft)}, "rows": [asdict(r) for r in rows]}, indent=2))
+    print(f"wrote bench/out/{args.name}.md")
+
+
+if __name__ == "__main__":
+    main()
