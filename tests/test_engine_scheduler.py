@@ -82,7 +82,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.held.get(r.req_id, 0) == r.target_len
             if r.prefill_chunk:
                 assert k == 0 and 1 <= r.prefill_chunk < r.num_tokens - r.target_len, "a chunk leaves the last token"
-                self.held[r.req_id] = r.target_len + r.prefill_chunk
+                self.held[r.req_id] = r.num_tokens - 1  # at most: a prefix cache may map all but the last
                 fed += r.prefill_chunk
             else:
                 self.held[r.req_id] = r.num_tokens + k
@@ -97,8 +97,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         in_use = sum(self.held.values())
         assert in_use <= self.pool, f"the plan needs {in_use} KV tokens, the pool has {self.pool}"
         for r in rows:  # verification: keep the accepted prefix, emit accepted + 1
-            if r.prefill_chunk:  # a partial chunk: KV kept, nothing emitted
-                r.target_len += r.prefill_chunk
+            if r.prefill_chunk:  # a partial chunk: KV kept, nothing emitted (the cache may have had more)
+                r.target_len += r.prefill_chunk if accepted_of(1) else r.num_tokens - 1 - r.target_len
+                self.held[r.req_id] = r.target_len
                 r.prefill_chunk = 0
                 continue
             k = plan.spec_tokens[r.req_id]

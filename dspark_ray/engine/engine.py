@@ -403,12 +403,9 @@ class Engine:
             toks, q = drafts.get(r.req_id, ([], None))
             # The prompt is scored when it is first fed (not again after a preemption's recompute).
             score_prompt = r.params.prompt_logprobs if r.target_len == 0 and r.prompt_logprobs is None else None
-            fed = r.tokens_from(r.target_len)
-            if r.prefill_chunk:
-                fed = fed[:r.prefill_chunk]
-            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, fed, tuple(toks), sampling[r.req_id],
-                                  r.params.logprobs, score_prompt, allowed.get(r.req_id), bool(r.prefill_chunk),
-                                  r.params.prefix_cache, r.params.cache_salt))
+            rows.append(VerifyRow(r.slot, r.epoch, r.target_len, r.tokens_from(r.target_len), tuple(toks),
+                                  sampling[r.req_id], r.params.logprobs, score_prompt, allowed.get(r.req_id),
+                                  r.prefill_chunk, r.params.prefix_cache, r.params.cache_salt))
             if q is not None:
                 probs[i] = q
         release, self._release_target = self._release_target, []
@@ -589,7 +586,7 @@ class Engine:
             if r.target_len == 0 and r.params.prefix_cache:
                 self.counters.prefix_cache_query_tokens += len(r.prompt_token_ids)
             if r.prefill_chunk:  # a partial prefill: its KV is committed, nothing is emitted yet
-                r.target_len += r.prefill_chunk
+                r.target_len += result.prefilled[i]  # the chunk, and what the prefix cache had beyond it
                 r.prefill_chunk = 0
                 self.counters.prefill_chunks += 1
                 continue

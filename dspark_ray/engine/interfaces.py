@@ -122,8 +122,10 @@ class VerifyRow:
     # (the pending token's and each draft's; J = len(draft_token_ids) + 1), applied to the
     # target's logits before anything else. None: unconstrained.
     allowed: torch.Tensor | None = None
-    # A partial prefill chunk: feed token_ids and keep their KV, emit nothing (no drafts).
-    partial: bool = False
+    # A partial prefill: token_ids are all the tokens the target has not seen; it maps what its
+    # prefix cache holds of them, then feeds at most ``chunk``, never the last token (the engine
+    # reserved KV for all of them), keeps their KV and emits nothing (no drafts). 0: an ordinary row.
+    chunk: int = 0
     # Prefix caching (dspark_ray/slots/prefix_cache.py): may the target map cached blocks for the
     # start of token_ids, and register this row's blocks; blocks are shared only under equal salts.
     prefix_cache: bool = True
@@ -148,6 +150,8 @@ class VerifyResult:
     prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
     # Per row: tokens of token_ids the target found in its prefix cache (not computed).
     cached_tokens: list[int] | None = None
+    # Per row: positions a partial prefill committed (cached and fed); 0 for other rows.
+    prefilled: list[int] | None = None
 
 
 class SlotService(Protocol):

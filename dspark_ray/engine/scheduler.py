@@ -19,9 +19,12 @@ but it keeps its slot, its draft cache and every token it produced, and it
 rejoins at the front of the waiting queue. A request left out of a step
 keeps everything.
 
-KV accounting mirrors the target's pool exactly: a request holds
-``target_len`` tokens between steps and needs ``num_tokens - target_len + k``
-more while a step runs (the unseen tokens plus k drafts), or its chunk.
+KV accounting bounds the target's pool: a request holds ``target_len``
+tokens between steps and needs ``num_tokens - target_len + k`` more while a
+step runs (the unseen tokens plus k drafts; a partial prefill reserves all
+its unseen tokens, see ``need``). Prefix-cache blocks shared by several
+requests are counted for each, so the pool always holds at least what this
+accounting says is free.
 """
 
 from __future__ import annotations
@@ -119,9 +122,11 @@ class Scheduler:
         return max(0, min(req.num_spec_tokens, room))
 
     def need(self, req: Request) -> int:
-        """Extra KV tokens ``req`` needs while this step runs (as planned: its chunk, if partial)."""
+        """Extra KV tokens ``req`` may take while this step runs. A partial prefill reserves all it
+        has not fed, not only its chunk: the target's prefix cache may map more of the prompt at
+        once (blocks no live request holds, which this accounting counts as free)."""
         if req.prefill_chunk:
-            return req.prefill_chunk
+            return req.num_tokens - req.target_len
         return req.num_tokens - req.target_len + self.spec_tokens_for(req)
 
     def _fit(self, req: Request, room: int, first: bool) -> int | None:
@@ -170,7 +175,7 @@ class Scheduler:
                 req.prefill_chunk = 0
                 break
             kv_free -= need
-            tokens += need
+            tokens += req.prefill_chunk or need
             plan.rows.append(req)
         while self.waiting and len(plan.rows) < max_rows and not plan.preempted and not full:
             req = self.waiting[0]
@@ -190,7 +195,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             kv_free -= need
-            tokens += need
+            tokens += req.prefill_chunk or need
             plan.rows.append(req)
         plan.spec_tokens = {r.req_id: 0 if r.prefill_chunk else self.spec_tokens_for(r) for r in plan.rows}
         return plan

@@ -3,8 +3,8 @@
 One ``step`` call feeds every row's unseen tokens plus its draft tokens,
 computes logits at the last k+1 positions, verifies the drafts and keeps KV
 for the accepted prefix only. Prefill is the same operation with more unseen
-tokens and no drafts; a partial prefill chunk (``VerifyRow.partial``) keeps
-the KV of everything it fed and emits nothing.
+tokens and no drafts; a partial prefill (``VerifyRow.chunk``) feeds at most
+its chunk, keeps the KV of everything it fed and emits nothing.
 
 KV layout (SGLang's three levels): slot -> ``ReqToTokenTable`` row ->
 token indices -> per-layer K/V pools ``[kv_pool_size, kv_heads, head_dim]``.
@@ -172,8 +172,9 @@ class TargetRunner:
             self.slot_epoch[s] = -1
 
     def _map_cached(self, rows: list[VerifyRow]) -> tuple[list[VerifyRow], list[int]]:
-        """Rows whose start is in the prefix cache: the cached blocks mapped into their slots and
-        the rows shifted past them (at least one token stays to be fed: the logits need it)."""
+        """The rows as fed: cached blocks mapped into their slots and the rows shifted past them
+        (an ordinary row keeps at least its last token to feed, for the logits; a partial prefill
+        also one for its final chunk), partial prefills cut to their chunk."""
         out, cached = [], []
         for r in rows:
             m = 0
@@ -181,9 +182,12 @@ class TargetRunner:
                 if r.start == 0:
                     self.kv.begin(r.slot, r.cache_salt)
                 if r.prompt_logprobs is None and len(r.token_ids) > 1:  # a prefill (a scored prompt is fed whole)
-                    m = self.kv.map_prefix(r.slot, r.start, r.token_ids, len(r.token_ids) - 1)
-                    if m:
-                        r = dataclasses.replace(r, start=r.start + m, token_ids=r.token_ids[m:])
+                    m = self.kv.map_prefix(r.slot, r.start, r.token_ids, len(r.token_ids) - (2 if r.chunk else 1))
+            if r.chunk:  # never the last token: the final chunk feeds it and emits
+                n = min(r.chunk, len(r.token_ids) - 1 - m)
+                r = dataclasses.replace(r, start=r.start + m, token_ids=r.token_ids[m:m + n])
+            elif m:
+                r = dataclasses.replace(r, start=r.start + m, token_ids=r.token_ids[m:])
             out.append(r)
             cached.append(m)
         return out, cached
@@ -196,13 +200,14 @@ class TargetRunner:
         if not rows:
             return VerifyResult([], [])
         self._bind(rows)
+        starts = [r.start for r in rows]
         rows, cached = self._map_cached(rows)
         counts = [len(r.token_ids) + len(r.draft_token_ids) for r in rows]
         indices = self.kv.append([r.slot for r in rows], counts)
         logits, prompt_logits = self._forward(rows, counts, indices)  # [B, K+1, V], per row [n-1, V]
         emitted, accepted = self._verify(rows, logits, batch.draft_probs)
         for b, r in enumerate(rows):
-            if r.partial:  # a prefill chunk: all its KV stays, nothing comes out
+            if r.chunk:  # a prefill chunk: all its KV stays, nothing comes out
                 emitted[b], accepted[b] = [], 0
         kept = [r.start + len(r.token_ids) + a for r, a in zip(rows, accepted)]
         self.kv.truncate([r.slot for r in rows], kept)
@@ -211,12 +216,13 @@ class TargetRunner:
                 self.kv.commit(r.slot, (r.token_ids + r.draft_token_ids)[:k - r.start])
         logprobs = prompt_logprobs = None
         if any(r.logprobs is not None for r in rows):
-            logprobs = [None if r.logprobs is None or r.partial else token_logprobs(logits[b, :len(e)], e, r.logprobs)
+            logprobs = [None if r.logprobs is None or r.chunk else token_logprobs(logits[b, :len(e)], e, r.logprobs)
                         for b, (r, e) in enumerate(zip(rows, emitted))]
         if prompt_logits:
             prompt_logprobs = [self._prompt_logprobs(r, prompt_logits.get(b)) for b, r in enumerate(rows)]
         return VerifyResult(num_accepted=accepted, emitted=emitted, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, cached_tokens=cached)
+                            prompt_logprobs=prompt_logprobs, cached_tokens=cached,
+                            prefilled=[k - s if r.chunk else 0 for r, k, s in zip(rows, kept, starts)])
 
     @staticmethod
     def _prompt_logprobs(row: VerifyRow, logits: torch.Tensor | None) -> list[TokenLogprob | None] | None:
