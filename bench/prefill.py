@@ -62,12 +62,13 @@ def one_run(engine, args, seed: int) -> tuple[list[float], float, int, list[floa
     corpus = tok.encode(" ".join(load_prompts(64)), add_special_tokens=False)
     streams = {engine.add_request(p, SamplingParams(max_tokens=args.stream_tokens, ignore_eos=True)): []
                for p in load_prompts(args.streams)}
+    live = set(streams)
     longs: dict[str, list[float]] = {}
     steps0, chunks0 = engine.counters.steps, engine.counters.prefill_chunks
     start = time.perf_counter()
     stream_tokens, step = 0, 0
     while engine.has_unfinished():
-        if step % args.every == args.every - 1 and any(streams):
+        if step % args.every == args.every - 1 and live:  # prompts arrive while the streams run
             at = rng.randrange(0, len(corpus) - args.prompt_tokens)
             rid = engine.add_request(corpus[at:at + args.prompt_tokens],
                                      SamplingParams(max_tokens=args.prompt_output, ignore_eos=True))
@@ -79,9 +80,11 @@ def one_run(engine, args, seed: int) -> tuple[list[float], float, int, list[floa
             if out.req_id in streams and out.new_token_ids:
                 streams[out.req_id].append(now)
                 stream_tokens += len(out.new_token_ids)
+            if out.req_id in streams and out.finished:
+                live.discard(out.req_id)
             elif out.req_id in longs and out.new_token_ids and len(longs[out.req_id]) == 1:
                 longs[out.req_id].append(now)
-    seconds = time.perf_counter() - start
+    seconds = max(t[-1] for t in streams.values()) - start  # the streams' lifetime
     itl = [1e3 * (b - a) for times in streams.values() for a, b in zip(times, times[1:])]
     ttft = [1e3 * (t[1] - t[0]) for t in longs.values() if len(t) == 2]
     return (itl, stream_tokens / seconds, stream_tokens, ttft, engine.counters.steps - steps0,
@@ -92,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=TARGET)
     ap.add_argument("--draft", type=Path, default=DRAFT)
-    ap.add_argument("--budgets", type=int, nargs="+", default=[64, 4096])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-tokens", type=int, default=160)
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--prompt-output", type=int, default=4)
-    ap.add_argument("--every", type=int, default=6, help="a long prompt arrives every this many steps")
+    ap.add_argument("--every", type=int, default=8, help="a long prompt arrives every this many steps")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)

@@ -232,3 +232,18 @@ def test_request_id_header_is_echoed_and_used(server, serve_models):
     assert server.loop.engine.slots.snapshot().counters.allocations == before
     plain = asyncio.run(go({}, body))
     assert plain.headers["x-request-id"] == plain.json()["id"] and plain.json()["id"].startswith("cmpl-")
+
+
+def test_prefix_cache_over_http(server, serve_models):
+    """A repeated long prefix is served from the target's prefix cache: usage says how much
+    (OpenAI's prompt_tokens_details.cached_tokens), the text is what it is without the cache."""
+    system = "SYSTEM: Speak in verse. " * 12
+    body = {"model": serve_models.name, "max_tokens": 8, "temperature": 0}
+    first = call(server, "POST", "/v1/completions", {**body, "prompt": system + "ROMEO:"}).json()
+    again = call(server, "POST", "/v1/completions", {**body, "prompt": system + "JULIET:"}).json()
+    alone = call(server, "POST", "/v1/completions", {**body, "prompt": system + "JULIET:", "prefix_cache": False})
+    assert alone.status_code == 200, alone.text
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    assert alone.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    assert first["usage"]["prompt_tokens"] > again["usage"]["prompt_tokens_details"]["cached_tokens"]
