@@ -28,6 +28,11 @@ class _Scheduler:
     def kv_in_use(self) -> int:
         return self.kv
 
+    def prefilling(self) -> int:
+        return self.mid_prefill
+
+    mid_prefill = 0
+
 
 class _Target:
     def kv_capacity(self) -> int:
@@ -149,3 +154,20 @@ def test_recording_never_raises_into_the_loop(caplog):
     messages = [r.message for r in caplog.records]
     assert sum("serving metrics (step) failed" in m for m in messages) == 1
     assert sum("serving metrics (record) failed" in m for m in messages) == 1
+
+
+def test_engine_counters_and_mid_prefill_requests():
+    """Prefill chunks, prefix-cache queries and hits: per-pass deltas of the engine's counters."""
+    engine, clock = FakeEngine(), Clock()
+    obs = StepObserver(engine, clock)
+    engine.counters.prefill_chunks, engine.counters.prefix_cache_hit_tokens = 3, 32
+    engine.counters.prefix_cache_query_tokens = 50
+    engine.scheduler.mid_prefill = 2
+    engine.step(rows=2)
+    r = obs.observe([], waiting=0)
+    assert r.counts == {"prefill_chunks": 3, "prefix_cache_query_tokens": 50, "prefix_cache_hit_tokens": 32,
+                        "grammar_cut_drafts": 0} and r.prefilling == 2
+    engine.counters.prefill_chunks = 4
+    engine.scheduler.mid_prefill = 0
+    r = obs.observe([], waiting=0)
+    assert r.counts["prefill_chunks"] == 1 and r.counts["prefix_cache_hit_tokens"] == 0 and r.prefilling == 0

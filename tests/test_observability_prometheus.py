@@ -45,6 +45,8 @@ MAX_CONTEXT = 128
 APP = "dspark"
 PROMPTS = ["ROMEO: What light through yonder", "JULIET: O Romeo, Romeo", "KING LEAR: Blow, winds",
            "HAMLET: To be, or not", "MACBETH: Tomorrow, and tomorrow"]
+SHARED_PREFIX = "SYSTEM: Answer as a player of the Globe would, in verse. " * 2  # > BUDGET tokens
+BUDGET = 24  # target tokens per step: the shared prefix is fed in chunks
 
 
 def free_port() -> int:
@@ -141,10 +143,12 @@ class ClientTotals:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * K)
     bad_status: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     def add(self, usage: dict, finish_reason: str, spec: dict | None) -> None:
         self.ok += 1
         self.prompt_tokens += usage["prompt_tokens"]
+        self.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
         self.completion_tokens += usage["completion_tokens"]
         self.reasons[finish_reason] += 1
         if spec:
@@ -197,7 +201,9 @@ async def _bad_request(client: httpx.AsyncClient, totals: ClientTotals):
 
 
 async def send_traffic(base_url: str, model: str) -> ClientTotals:
-    """More requests than slots, long enough that two of them overflow the KV pool (preemption)."""
+    """More requests than slots, long enough that two of them overflow the KV pool (preemption);
+    then two prompts sharing a prefix longer than the step's token budget, one after the other
+    (chunked prefill, and the second finds the first's blocks in the prefix cache)."""
     totals = ClientTotals()
     async with httpx.AsyncClient(base_url=base_url, timeout=180) as client:
         await asyncio.gather(
@@ -209,6 +215,8 @@ async def send_traffic(base_url: str, model: str) -> ClientTotals:
             _chat(client, model, 24, totals),
             _bad_request(client, totals),
         )
+        for ending in ("ROMEO:", "JULIET:"):
+            await _complete(client, model, SHARED_PREFIX + ending, 8, totals)
     return totals
 
 
@@ -267,7 +275,7 @@ def stack(serve_models, tmp_path_factory):  # noqa: F811 - the fixture imported 
         serve.run(build_app({
             "model": str(serve_models.target), "draft": str(serve_models.draft), "tensor_parallel_size": 2,
             "num_speculative_tokens": K, "capacity": 2, "max_num_seqs": 4, "max_context": MAX_CONTEXT,
-            "kv_pool_tokens": MAX_CONTEXT + K, "cpus_per_shard": 0.25,
+            "kv_pool_tokens": MAX_CONTEXT + K, "cpus_per_shard": 0.25, "max_num_batched_tokens": BUDGET,
         }), name=APP, route_prefix="/")
         s = Stack(prometheus, asyncio.run(send_traffic(f"http://127.0.0.1:{port}", serve_models.name)),
                   serve_models.name)
@@ -295,7 +303,7 @@ def stack(serve_models, tmp_path_factory):  # noqa: F811 - the fixture imported 
 
 
 def test_traffic_went_through(stack):
-    assert stack.totals.ok == 6
+    assert stack.totals.ok == 8
     assert stack.totals.bad_status == [400]
     assert stack.totals.drafts > 0, "speculation never ran"
 
@@ -356,6 +364,17 @@ def test_latency_histograms(stack):
     p50_ttft = v("histogram_quantile(0.5, sum by (le) (ray_dspark_time_to_first_token_seconds_bucket))")
     p50_e2e = v("histogram_quantile(0.5, sum by (le) (ray_dspark_e2e_request_latency_seconds_bucket))")
     assert 0 < p50_ttft <= p50_e2e
+
+
+def test_prefill_chunks_and_prefix_cache_hits(stack):
+    """The shared prefix was chunked, and the second request's usage reported the cached tokens the
+    target counted."""
+    assert stack.value("sum(ray_dspark_prefill_chunks_total)") > 0
+    assert stack.totals.cached_tokens > 0
+    # the counter also counts what a preempted request's recompute found of its own earlier blocks
+    assert stack.value("sum(ray_dspark_prefix_cache_hit_tokens_total)") >= stack.totals.cached_tokens
+    assert stack.value("sum(ray_dspark_prefix_cache_query_tokens_total)") >= stack.totals.prompt_tokens
+    assert stack.value("sum(ray_dspark_requests_prefilling)") == 0
 
 
 def test_steps_batches_and_preemption(stack):

@@ -101,6 +101,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefilling(self) -> int:
+        """Running requests mid-prefill: their prompt (or recompute) is not all fed yet."""
+        return sum(1 for r in self.running if r.num_tokens - r.target_len > 1)
+
     def kv_in_use(self) -> int:
         return sum(r.target_len for r in self.running)
 

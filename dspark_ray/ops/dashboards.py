@@ -98,6 +98,21 @@ SERVING = Dashboard(
                 q(f"sum(rate(ray_dspark_preemptions_total{MODEL}[{RATE}]))", "preemptions"),),
                 description="Requests whose target KV was freed to make room; they are recomputed later."),
         )),
+        Row("Prefill", (
+            Panel("Prefix cache hit rate", (
+                q(f"sum(rate(ray_dspark_prefix_cache_hit_tokens_total{MODEL}[{RATE}])) / "
+                  f"sum(rate(ray_dspark_prefix_cache_query_tokens_total{MODEL}[{RATE}]))", "hit tokens / prompt tokens"),),
+                unit="percentunit", width=8, description="Prompt tokens the target mapped from its prefix cache "
+                "instead of computing (shared system prompts, chat history)."),
+            Panel("Prefill tokens per second", (
+                q(f"sum(rate(ray_dspark_prefix_cache_query_tokens_total{MODEL}[{RATE}]))", "prompt tokens"),
+                q(f"sum(rate(ray_dspark_prefix_cache_hit_tokens_total{MODEL}[{RATE}]))", "from the cache"),
+                q(f"sum(rate(ray_dspark_prefill_chunks_total{MODEL}[{RATE}]))", "partial chunks")), width=8,
+                description="Prompts longer than max_num_batched_tokens are fed in chunks beside the decode rows."),
+            Panel("Requests mid-prefill", (
+                q(f"sum(ray_dspark_requests_prefilling{MODEL})", "prefilling"),), width=8,
+                description="Running requests whose prompt (or recompute after preemption) is still being fed."),
+        )),
         Row("Latency", (
             Panel("Time to first token", percentiles("ray_dspark_time_to_first_token_seconds"), unit="s", width=8),
             Panel("Inter-token latency", percentiles("ray_dspark_inter_token_latency_seconds"), unit="s", width=8,
@@ -182,8 +197,10 @@ SLOTS = Dashboard(
                 unit="percentunit"),
             Panel("Slots held vs requests in flight", (
                 q(f"sum(ray_dspark_slot_in_use{APP})", "slots held"),
-                q("sum(ray_dspark_requests_running) + sum(ray_dspark_requests_waiting)", "requests in flight")),
-                description="Slots held with no request in flight for minutes is a leak (runbooks/slots.md)."),
+                q("sum(ray_dspark_requests_running) + sum(ray_dspark_requests_waiting)", "requests in flight"),
+                q("sum(ray_dspark_requests_prefilling)", "of them mid-prefill")),
+                description="Slots held with no request in flight for minutes is a leak (runbooks/slots.md). A "
+                "request mid-prefill holds its slot between its chunks."),
             Panel("Slot hold time", percentiles("ray_dspark_slot_hold_time_seconds", labels=APP), unit="s"),
             Panel("Allocations and releases per second", (
                 q(f"sum(rate(ray_dspark_slot_allocations_total{APP}[{RATE}]))", "allocations"),

@@ -57,6 +57,13 @@ STEP_BOUNDARIES = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 COLLECTIVE_BOUNDARIES = [0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                          0.1, 0.25, 0.5, 1]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# Engine counters exported as Ray counters of the same name (``dspark_<name>``), with their help text.
+ENGINE_COUNTERS = {
+    "prefill_chunks": "Partial prefill chunks run (prompts longer than a step's token budget, split over steps).",
+    "prefix_cache_query_tokens": "Prompt tokens of prefills that could use the target's prefix cache.",
+    "prefix_cache_hit_tokens": "Of them, tokens found in the prefix cache (mapped, not computed).",
+    "grammar_cut_drafts": "Draft tokens a structured output's grammar forbade (cut before verification).",
+}
 
 
 @dataclass
@@ -110,6 +117,8 @@ class StepReport:
     generation_tokens: int = 0
     preemptions: int = 0
     draft_failures: int = 0
+    prefilling: int = 0  # running requests whose prompt (or recompute) is not fed yet
+    counts: dict[str, int] = field(default_factory=dict)  # ENGINE_COUNTERS added by this pass
     spec: SpecDelta = field(default_factory=SpecDelta)
 
 
@@ -134,6 +143,7 @@ class StepObserver:
         self._steps = engine.counters.steps
         self._preemptions = engine.counters.preemptions
         self._draft_failures = engine.counters.draft_failures
+        self._counts = {name: getattr(engine.counters, name) for name in ENGINE_COUNTERS}
 
     def submitted(self, req_id: str, at: float) -> None:
         """The loop accepted ``req_id`` at ``at`` (a ``clock`` reading, taken when the caller submitted)."""
@@ -155,6 +165,11 @@ class StepObserver:
         report.draft_failures = counters.draft_failures - self._draft_failures
         self._steps = counters.steps
         self._preemptions, self._draft_failures = counters.preemptions, counters.draft_failures
+        for name, before in self._counts.items():
+            total = getattr(counters, name)
+            report.counts[name] = total - before
+            self._counts[name] = total
+        report.prefilling = engine.scheduler.prefilling()
         for out in outputs:
             self._observe_output(out, now, report)
         return report
@@ -228,6 +243,9 @@ class ServingMetrics:
         self.kv_capacity = make(Gauge, "dspark_kv_pool_tokens_capacity", "Target KV pool size in tokens.")
         self.preemptions = make(Counter, "dspark_preemptions", "Requests preempted (target KV freed, recomputed).")
         self.draft_failures = make(Counter, "dspark_draft_failures", "Steps run without drafts: the proposer failed.")
+        self.engine_counters = {name: make(Counter, f"dspark_{name}", doc) for name, doc in ENGINE_COUNTERS.items()}
+        self.prefilling = make(Gauge, "dspark_requests_prefilling", "Running requests mid-prefill (holding a slot, "
+                               "their prompt or recompute not fed yet).")
         self.step_phase = make(Histogram, "dspark_step_phase_seconds", "Engine step time by phase "
                                "(schedule | propose | verify | commit).", ("phase",), boundaries=STEP_BOUNDARIES)
         self.step_phase_time = make(Counter, "dspark_step_phase_time_seconds", "Engine time spent per phase "
@@ -266,6 +284,10 @@ class ServingMetrics:
         self.waiting.set(r.waiting)
         self.kv_in_use.set(r.kv_in_use)
         self.kv_capacity.set(r.kv_capacity)
+        self.prefilling.set(r.prefilling)
+        for name, n in r.counts.items():
+            if n > 0:
+                self.engine_counters[name].inc(n)
         if r.batch_size:
             self.batch_size.observe(r.batch_size)
             for phase, seconds in r.phase_seconds.items():
