@@ -116,15 +116,20 @@ class DraftProposer:
                 chunk = row.token_ids[c:c + self.ring_chunk]
                 out = self._ring_forward([chunk], [start + c], slot)[0]
             return out
-        ids = torch.tensor([row.token_ids], device=self.device)
-        attn = RecordingAttention(self.cache.window)
-        hidden = self.model.hidden_states(ids, attention=attn)
+        # Only the tail the cache and the next logits depend on is fed: with a window of W keys per
+        # layer, layer l at position p depends on tokens p - l(W-1) .. p, so the last L(W-1) + 1
+        # tokens give exactly the ring's K/V and the last logits (a long prompt costs the draft
+        # its window, not its length).
         n = len(row.token_ids)
-        keep = min(n, self.cache.window)  # later queries never look further back
+        fed = min(n, self.model.config.num_layers * (self.cache.window - 1) + 1)
+        ids = torch.tensor([row.token_ids[n - fed:]], device=self.device)
+        attn = RecordingAttention(self.cache.window)
+        hidden = self.model.hidden_states(ids, torch.arange(n - fed, n, device=self.device)[None, :], attn)
+        keep = min(fed, self.cache.window)  # later queries never look further back
         slot = torch.tensor([row.slot], device=self.device)
         pos = torch.arange(n - keep, n, device=self.device)[None, :]
         for layer, (k, v) in enumerate(attn.kv):
-            self.cache.append(layer, slot, pos, k[:, n - keep:].contiguous(), v[:, n - keep:].contiguous())
+            self.cache.append(layer, slot, pos, k[:, fed - keep:].contiguous(), v[:, fed - keep:].contiguous())
         return self._logits(hidden[0, -1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
