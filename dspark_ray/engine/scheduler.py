@@ -167,6 +167,9 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.req_id in busy:  # preempted earlier in this step: it waits
                 continue
+            # Only a request with committed KV continues in the slot it holds (new and preempted
+            # ones come through the waiting queue; a chunk in flight is the other half's, busy).
+            assert req.target_len > 0, f"{req.req_id} runs with no committed KV"
             chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not plan.rows)
             if chunk is None:  # the budget is spent: no prefill may take what decode rows could not
                 full = True
