@@ -107,7 +107,11 @@ def ttfts_vllm(args, texts: list[str]) -> dict[str, list[float]] | str:
         return "bench/.vllm-venv is missing (bash bench/setup_vllm.sh)"
     path = BENCH_DIR / "out" / "prefix-prompts.json"
     path.write_text(json.dumps(texts))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    iomp = BENCH_DIR / ".vllm-venv" / "lib" / "libiomp5.so"  # as vLLM's CPU guide asks (bench/vllm_runner.py)
+    if iomp.is_file():
+        env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
     proc = subprocess.run([str(VLLM_PYTHON), __file__, "--vllm-child", str(path), "--model", str(args.model),
                            "--draft", str(args.draft)], capture_output=True, text=True, env=env, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
