@@ -64,6 +64,7 @@ class AttentionGroup:
     valid: torch.Tensor  # [G, T] bool: real queries
     key_index: torch.Tensor  # [G, L] int64: pool index of each key position
     mask: torch.Tensor  # [G, 1, T, L] bool, True = attend
+    whole: bool = False  # the group is the whole step, unpadded, in order: queries are a view
 
 
 class PackedAttention:
@@ -94,6 +95,10 @@ class PackedAttention:
         out = torch.empty_like(q)
         n_rep = q.shape[1] // k.shape[2]
         for g in self.groups:
+            if g.whole:  # every row the same length (a decode step, or one row): no gather, no scatter
+                qg = q.view(*g.queries.shape, *q.shape[1:])
+            else:
+                qg = q[g.queries]  # [G, T, Hq, D]
             keys = k_pool[g.key_index].transpose(1, 2)  # [G, Hkv, L, D]
             values = v_pool[g.key_index].transpose(1, 2)
             gqa = {}
@@ -102,8 +107,10 @@ class PackedAttention:
                 values = values.repeat_interleave(n_rep, dim=1)
             elif n_rep > 1:  # on CPU the kernel shares each K/V head itself, without the copies
                 gqa = {"enable_gqa": True}
-            res = F.scaled_dot_product_attention(q[g.queries].transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+            res = F.scaled_dot_product_attention(qg.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
                                                  attn_mask=g.mask, **gqa)  # [G, Hq, T, D]
+            if g.whole:
+                return res.transpose(1, 2).reshape(1, *q.shape)
             out[g.queries[g.valid]] = res.transpose(1, 2)[g.valid]
         return out[None]  # [1, N, Hq, D]
 
@@ -307,8 +314,9 @@ class TargetRunner:
             mask &= key_pos > positions[:, :, None] - self.sliding_window
         slots = torch.tensor([rows[b].slot for b in members])
         dev = self.device
+        whole = len(members) == len(rows) and members == sorted(members) and bool(valid.all())
         return AttentionGroup(queries.to(dev), valid.to(dev), self.table.table[slots.to(dev), :L].long(),
-                              mask[:, None].to(dev))
+                              mask[:, None].to(dev), whole)
 
     def _verify(self, rows: list[VerifyRow], logits: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
