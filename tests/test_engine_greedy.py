@@ -219,11 +219,12 @@ def test_tight_budgets(tiny_models: TinyModels, reference):
     assert_drained(engine, len(prompts))
 
 
-@pytest.mark.parametrize("budget", [1, 7, 24])
+@pytest.mark.parametrize("budget", [1, 7, 24, 64])
 @pytest.mark.parametrize("draft", [None, "near"])
 def test_chunked_prefill_equals_transformers(tiny_models: TinyModels, reference, budget, draft):
     """Prompts longer than the step's token budget are fed in chunks of at most ``budget`` tokens
-    (1: one token per step); greedy output is transformers', with and without speculation."""
+    (1: one token per step); greedy output is transformers', with and without speculation. An
+    80-token prompt joins the set so that 64 chunks too."""
     engine = make_engine(tiny_models.target, tiny_models.drafts[draft] if draft else None, num_speculative_tokens=3,
                          draft_window=8, max_context=MAX_CONTEXT, capacity=4, max_num_seqs=4,
                          max_num_batched_tokens=budget)
@@ -237,10 +238,13 @@ def test_chunked_prefill_equals_transformers(tiny_models: TinyModels, reference,
         return real_step(batch)
 
     engine.target.step = step
-    prompts = prompt_set()
-    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
-    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
-        assert res.token_ids == reference[tuple(prompt), n], (len(prompt), n)
+    long_prompt = prompt_set(2)[-1] * 2  # 80 tokens
+    prompts = prompt_set() + [long_prompt]
+    max_tokens = MAX_TOKENS + [8]
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    for prompt, n, res in zip(prompts, max_tokens, results):
+        want = reference.get((tuple(prompt), n)) or hf_greedy(tiny_models.hf_target, prompt, n)
+        assert res.token_ids == want, (len(prompt), n)
     assert chunked and max(chunked) <= budget and engine.counters.prefill_chunks == len(chunked)
     assert_drained(engine, len(prompts))
 
