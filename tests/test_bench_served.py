@@ -17,6 +17,7 @@ The last test runs vLLM's benchmark client, unmodified, against a real
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -279,10 +280,18 @@ def test_dspark_bench_served_runs_this_script(capsys):
 VLLM_PYTHON = bench.VLLM_VENV / "bin" / "python"
 
 
+def vllm_installed() -> bool:
+    """bench/.vllm-venv exists and has vLLM in it (an install that failed half-way leaves a venv without)."""
+    if not VLLM_PYTHON.is_file():
+        return False
+    probe = [str(VLLM_PYTHON), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
+    return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(),
-                    reason="bench/.vllm-venv is missing (bash bench/setup_vllm.sh installs vLLM's benchmark client)")
+@pytest.mark.skipif(not vllm_installed(), reason="bench/.vllm-venv is missing or has no vLLM in it "
+                    "(bash bench/setup_vllm.sh installs vLLM's benchmark client; tests/run.sh says if it failed)")
 def test_vllm_benchmark_client_against_serve_run(served: ServeRun, serve_models: ServeModels, tmp_path):
     w = bench.Workload(output_len=16, num_prompts=6)
     cmd = bench.client_command(bench.vllm_cli(), served.base_url, served.model, serve_models.target, w,
