@@ -19,7 +19,7 @@ import torch
 from dspark_kernels import ops
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
-from dspark_ray.engine.structured import SlotGrammars, apply_masks, fill_mask
+from dspark_ray.engine.structured import SlotGrammars, fill_mask, unpack
 from dspark_ray.engine.verifier import mask_vocab, sample_draft_tokens
 from dspark_ray.model.llama import CausalAttention, CausalLM
 from dspark_ray.slots import DraftWindowCache
@@ -202,16 +202,15 @@ class DraftProposer:
         words = next((g.words for g in grammars if g is not None), None)
         if words is None:
             return logits
-        packed = torch.empty((len(grammars), words), dtype=torch.int32)
-        masks = [None] * len(grammars)
+        packed = torch.full((len(grammars), words), -1, dtype=torch.int32)  # -1: every id allowed
         for b, g in enumerate(grammars):
             if g is not None:
                 fill_mask(g.matcher, packed[b])
-                if packed[b].any():
-                    masks[b] = packed[b:b + 1]
-                else:
+                if not packed[b].any():
+                    packed[b] = -1
                     grammars[b] = None
-        return apply_masks(logits[:, None], masks)[:, 0]
+        # Ids past the mask's width are embedding padding the tokenizer lacks (masked anyway).
+        return logits.masked_fill(~unpack(packed.to(logits.device), logits.shape[-1]), float("-inf"))
 
     @staticmethod
     def _advance(grammars: list, tokens: list[int], consumed: list[int], drafting: list[bool]) -> None:
