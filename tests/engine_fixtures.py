@@ -139,8 +139,13 @@ def tiny_vocab_models(tmp_path_factory) -> TinyVocabModels:
 
 
 def make_engine(target: Path, draft: Path | None = None, **config) -> Engine:
-    """An in-process engine; ``config`` are EngineConfig fields (float32 on CPU)."""
+    """An in-process engine; ``config`` are EngineConfig fields (float32 on CPU).
+
+    Adaptive speculation is off unless asked for: its k follows measured step times, so the
+    speculation statistics these tests compare would follow the machine's load
+    (tests/test_engine_adaptive.py tests it, with output compared token for token)."""
     config.setdefault("capacity", 8)
+    config.setdefault("adaptive_speculation", False)
     config.setdefault("max_context", 128)
     return build_local_engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, **config))
 
@@ -218,6 +223,7 @@ class Collected:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: str | None = None
     spec: SpecSummary | None = None
     outputs: int = 0  # RequestOutputs received
     logprobs: list = field(default_factory=list)  # TokenLogprobs, when the request asked for them
@@ -236,7 +242,7 @@ class Collected:
         if out.finished:
             self.finished = True
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-            self.error, self.spec = out.error, out.spec
+            self.error, self.error_code, self.spec = out.error, out.error_code, out.spec
 
 
 def collect(engine: Engine, results: dict[str, Collected], outputs) -> None:

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,37 +153,45 @@ class ServeRun:
         return f"http://127.0.0.1:{self.port}"
 
 
-def serve_yaml(models: ServeModels, folder: Path) -> tuple[Path, int]:
+def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> tuple[Path, int]:
     """deploy/dspark.yaml itself on the shipped pair; otherwise a copy pointing at the tiny pair.
 
     Only the checkpoint paths change (and the port, should 8000 be taken by
-    someone else's server on this shared machine): everything else is the
-    shipped file.
+    someone else's server on this shared machine), and the ``args`` given
+    (AppConfig fields): everything else is the shipped file. A copy with
+    ``args`` always gets a port of its own, so that a test's variant never
+    leaves the shipped port to the next module in TIME_WAIT.
     """
     import yaml
 
     text = DEPLOY_YAML.read_text()
     config = yaml.safe_load(text)
     port = config["http_options"]["port"]
-    if models.shipped and port_is_free(port):
+    if models.shipped and port_is_free(port) and not args:
         return DEPLOY_YAML, port
     app = config["applications"][0]
     app["args"]["model"] = str(models.target)
     app["args"]["draft"] = str(models.draft)
-    if not port_is_free(port):
+    app["args"].update(args or {})
+    if args or not port_is_free(port):
         port = config["http_options"]["port"] = free_port()
     path = folder / "dspark.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, port
 
 
-def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 240) -> ServeRun:
-    """Start a Ray head here, then ``serve run`` the YAML as a subprocess; wait for /health."""
+def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 240, args: dict | None = None,
+                before_serve: Callable[[], None] | None = None) -> ServeRun:
+    """Start a Ray head here, then ``serve run`` the YAML as a subprocess; wait for /health.
+
+    ``args`` override the YAML's (``serve_yaml``); ``before_serve`` runs once
+    Ray is up, before ``serve run`` (to start an actor the replicas will find).
+    """
     import httpx
     import ray
     import yaml
 
-    yaml_path, port = serve_yaml(models, folder)
+    yaml_path, port = serve_yaml(models, folder, args)
     config = yaml.safe_load(yaml_path.read_text())
     app = config["applications"][0]
     ray.init(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
@@ -190,6 +199,8 @@ def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 24
     log = folder / "serve-run.log"
     proc = None
     try:
+        if before_serve is not None:
+            before_serve()
         gcs = ray.get_runtime_context().gcs_address
         with open(log, "wb") as out:
             proc = subprocess.Popen(
@@ -235,8 +246,43 @@ def ours(run: ServeRun) -> bool:
 
 
 def stop_serve(run: ServeRun) -> None:
-    """Delete the applications, stop `serve run`, then the Ray head (and with it every worker)."""
-    stop_serve_run(run.proc, run.port)
+    """Delete the applications, stop `serve run`, then the Ray head (and with it every worker).
+
+    The HTTP port is waited for (up to 15 s) only when it is the shipped
+    YAML's, which the next module may want; a port of the run's own (another
+    server had 8000, or the YAML is a variant) is never asked for again, and a
+    connection the server closed (a stream of a killed replica) keeps it in
+    TIME_WAIT for a minute.
+    """
+    import yaml
+
+    shipped = run.port == yaml.safe_load(DEPLOY_YAML.read_text())["http_options"]["port"]
+    stop_serve_run(run.proc, run.port, wait_port=shipped)
+
+
+@dataclass(frozen=True)
+class ServeReplica:
+    """A live Serve replica actor of an application."""
+
+    name: str  # SERVE_REPLICA::<app>#<deployment>#<replica id>
+    pid: int
+
+    @property
+    def owner(self) -> str:
+        """The replica's id, which its engine uses as the owner of its slot leases."""
+        return self.name.rsplit("#", 1)[-1]
+
+
+def serve_replicas(app_name: str) -> list[ServeReplica]:
+    """The live replica actors of an application (class ``ServeReplica:<app>:<deployment>``).
+
+    Read from the GCS actor table: ``ray.util.state.list_actors`` needs the
+    dashboard, which the fixtures' Ray head does not run.
+    """
+    from ray._private import state
+
+    return [ServeReplica(a["Name"], a["Pid"]) for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"].startswith(f"ServeReplica:{app_name}:")]
 
 
 def slot_manager(app_name: str):

@@ -45,3 +45,21 @@ def test_step_token_budget_reaches_the_engine():
     assert app_args("dspark-2x-spark.yaml")["max_num_batched_tokens"] == app_args("dspark-2x-spark.yaml")["max_context"]
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         AppConfig(**{**args, "max_num_batched_tokens": 0})
+
+
+def test_every_config_shows_its_replica_count():
+    for name in ("dspark.yaml", "dspark-tp2.yaml", "dspark-2x-spark.yaml"):
+        assert app_args(name)["num_replicas"] == 1, name
+    config = AppConfig(**app_args("dspark.yaml"))
+    assert config.slots_per_replica == config.capacity  # one replica holds the whole capacity
+
+
+@pytest.mark.parametrize("name", ["dspark.yaml", "dspark-tp2.yaml"])
+def test_the_commented_autoscaling_example_is_valid_in_place_of_num_replicas(name):
+    (line,) = [ln for ln in (DEPLOY / name).read_text().splitlines() if ln.strip().startswith("# autoscaling_config:")]
+    example = yaml.safe_load(line.strip().removeprefix("#"))
+    args = {k: v for k, v in app_args(name).items() if k != "num_replicas"}
+    config = AppConfig(**args, **example)
+    assert config.max_replicas == 2 and config.slots_per_replica == config.capacity // 2
+    with pytest.raises(ValueError, match="exclude each other"):  # uncommented beside num_replicas: 2
+        AppConfig(**{**args, "num_replicas": 2}, **example)

@@ -427,3 +427,28 @@ def test_target_failure_loses_no_request_and_leaks_nothing(tiny_models):
     res = generate(engine, [PROMPT], SamplingParams(max_tokens=5))[0]
     assert res.finish_reason == "length" and len(res.token_ids) == 5
     assert_drained(engine, 3)
+
+
+def test_deadlines_end_waiting_and_running_requests_and_free_everything(tiny_models: TinyModels, greedy_ref):
+    """A request past its deadline ends with ErrorCode.TIMEOUT whether it runs or still waits for
+    a slot; it frees what it held, and the request beside it is untouched."""
+    import time
+
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], num_speculative_tokens=3, capacity=2,
+                         max_num_seqs=2)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    keep = engine.add_request(PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
+    running = engine.add_request([7, 8, 9], params, deadline=time.monotonic() + 3600)
+    waiting = engine.add_request([5, 6], params, deadline=time.monotonic() + 3600)  # no slot: capacity 2
+    results = {}
+    for _ in range(3):
+        collect(engine, results, engine.step())
+    assert engine.requests[running].holds_slot and not engine.requests[waiting].holds_slot
+    assert engine.expire(time.monotonic() + 3601) == 2
+    results = run_all(engine, results=results)
+    for req_id in (running, waiting):
+        r = results[req_id]
+        assert (r.finish_reason, r.error_code) == ("error", "request_timeout") and "timeout" in r.error
+    assert 0 < len(results[running].token_ids) < MAX_TOKENS and results[waiting].token_ids == []
+    assert results[keep].token_ids == greedy_ref.token_ids
+    assert_drained(engine, 3)

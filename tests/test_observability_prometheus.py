@@ -82,6 +82,7 @@ class Prometheus:
         config = yaml.safe_load((REPO / "dashboards" / "prometheus.yml").read_text())
         config["global"].update(scrape_interval="1s", evaluation_interval="1s")
         config["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(discovery_file)]
+        config["rule_files"] = [str(REPO / "dashboards" / f) for f in config["rule_files"]]
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = folder / "prometheus.log"
@@ -334,6 +335,30 @@ def test_speculation_counters_match_the_responses(stack):
     assert sum(counts) == t.accepted_tokens <= t.draft_tokens <= K * t.drafts
     mean_len = 1 + t.accepted_tokens / t.drafts
     assert 1 <= mean_len <= K + 1
+
+
+def test_vllm_names_from_the_recording_rules(stack):
+    """dashboards/vllm-names.rules.yml: the same counters under vLLM's names, labelled model_name."""
+    t = stack.totals
+    deadline = time.monotonic() + 30  # rules are evaluated every second here
+    while time.monotonic() < deadline and stack.value("sum(vllm:spec_decode_num_drafts_total)") != t.drafts:
+        time.sleep(0.5)
+    assert stack.value("sum(vllm:spec_decode_num_drafts_total)") == t.drafts
+    assert stack.value("sum(vllm:spec_decode_num_draft_tokens_total)") == t.draft_tokens
+    assert stack.value("sum(vllm:spec_decode_num_accepted_tokens_total)") == t.accepted_tokens
+    assert stack.value("sum(vllm:generation_tokens_total)") == t.completion_tokens
+    names = {r["metric"].get("model_name") for r in stack.prometheus.query("vllm:spec_decode_num_drafts_total")}
+    assert names and None not in names
+    per_pos = {int(r["metric"]["position"]): int(float(r["value"][1])) for r in stack.prometheus.query(
+        "sum by (position) (vllm:spec_decode_num_accepted_tokens_per_pos_total)")}
+    assert per_pos == {i: n for i, n in enumerate(t.accepted_per_position) if n}
+
+
+def test_adaptive_k_steps_are_counted(stack):
+    """Every step of the (adaptive, by default) engine that carried requests counts its chosen k."""
+    by_k = {r["metric"]["k"]: float(r["value"][1]) for r in stack.prometheus.query(
+        "sum by (k) (ray_dspark_spec_k_steps_total)")}
+    assert by_k and all(0 <= int(k) <= K for k in by_k) and sum(by_k.values()) > 0
 
 
 def test_gauges_return_to_idle(stack):

@@ -47,9 +47,11 @@ from dspark_ray.slots.manager import SlotManager, start_slot_manager
 from dspark_ray.tokenizer import Tokenizer
 from serve_fixtures import (  # noqa: F401 - serve_models, served are fixtures
     DEPLOY_YAML,
+    ServeReplica,
     ServeRun,
     serve_models,
     served,
+    serve_replicas,
     slot_snapshot,
     wait_for,
 )
@@ -89,31 +91,8 @@ def stats(app_name: str) -> dict:
     return serve.get_app_handle(app_name).stats.remote().result(timeout_s=60)
 
 
-@dataclass(frozen=True)
-class Replica:
-    name: str
-    pid: int
-
-    @property
-    def owner(self) -> str:
-        """The replica's id, which its engine uses as the owner of its slot leases."""
-        return self.name.rsplit("#", 1)[-1]
-
-
-def replicas(app_name: str) -> list[Replica]:
-    """The live Serve replica actors of an application (class ``ServeReplica:<app>:<deployment>``).
-
-    Read from the GCS actor table: ``ray.util.state.list_actors`` needs the
-    dashboard, which the fixture's Ray head does not run.
-    """
-    from ray._private import state
-
-    return [Replica(a["Name"], a["Pid"]) for a in state.actors().values()
-            if a["State"] == "ALIVE" and a["ActorClassName"].startswith(f"ServeReplica:{app_name}:")]
-
-
-def the_replica(app_name: str) -> Replica:
-    found = replicas(app_name)
+def the_replica(app_name: str) -> ServeReplica:
+    found = serve_replicas(app_name)
     assert len(found) == 1, found
     return found[0]
 
@@ -497,7 +476,7 @@ def test_a_killed_replica_loses_its_streams_cleanly_and_its_leases_are_reclaimed
 
     # Serve has started a new replica; it takes every slot at once (no capacity lost).
     def new_replica():
-        found = [r for r in replicas(APP) if r.name != old.name]
+        found = [r for r in serve_replicas(APP) if r.name != old.name]
         if not found:
             return None
         try:
@@ -507,7 +486,7 @@ def test_a_killed_replica_loses_its_streams_cleanly_and_its_leases_are_reclaimed
         return found[0] if h.status_code == 200 else None
 
     new = wait_for(new_replica, 120, 0.5)
-    assert new, f"no new replica of {APP} after the kill: {replicas(APP)}"
+    assert new, f"no new replica of {APP} after the kill: {serve_replicas(APP)}"
     assert new.owner != old.owner
     # Nothing of the dead replica lives on: its target shard, draft worker and placement group
     # went with it (they are owned by it), so their CPUs are free again.

@@ -66,11 +66,14 @@ def extension(obj, name: str):
 def check_speculation(spec: dict | None, completion_tokens: int) -> None:
     assert spec is not None, "the speculation extension field is missing"
     assert set(spec) == {"drafts", "draft_tokens", "accepted_tokens", "accepted_per_position",
-                         "mean_acceptance_length"}
+                         "mean_acceptance_length", "steps_by_k"}
     assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
     assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
-    if completion_tokens > 1:
-        assert spec["drafts"] >= 1, "k=4 with a draft: the request should have been speculated"
+    # Adaptive speculation chose each step's k (0 included): steps_by_k accounts for every draft.
+    by_k = spec["steps_by_k"]
+    assert by_k and len(by_k) <= 5 and sum(by_k[1:]) == spec["drafts"]
+    assert sum(k * n for k, n in enumerate(by_k)) == spec["draft_tokens"]
+    assert sum(by_k) <= completion_tokens
 
 
 # -- the openai client ---------------------------------------------------------------------------
@@ -182,7 +185,8 @@ def test_structured_outputs_and_tools_over_the_served_transport(served, client):
               "required": ["role", "line"], "additionalProperties": False}
     out = client.chat.completions.create(
         model=served.model, messages=CHAT, max_tokens=80, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "speech", "schema": schema}})
+        response_format={"type": "json_schema", "json_schema": {"name": "speech", "schema": schema}},
+        extra_body={"num_speculative_tokens": 4})  # a fixed k: this must speculate whatever the load
     value = json.loads(out.choices[0].message.content)
     assert value["role"] in ("king", "fool") and len(value["line"]) <= 24 and set(value) == {"role", "line"}
     assert out.model_extra["speculation"]["accepted_tokens"] > 0  # the draft worker masked its drafts

@@ -247,3 +247,37 @@ def test_prefix_cache_over_http(server, serve_models):
     assert alone.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["choices"][0]["text"] == alone.json()["choices"][0]["text"]
     assert first["usage"]["prompt_tokens"] > again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_request_past_its_timeout_ends_with_a_504_and_frees_its_slot(server, serve_models):
+    """timeout_s (or the server's request_timeout_s): a request still running then ends; the client
+    gets an OpenAI error body (504 request_timeout) or, streaming, the tokens so far and an error
+    event; a request beside it is untouched, and no slot is left held."""
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    short = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    expected = call(server, "POST", "/v1/completions", short).json()["choices"][0]["text"]
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=server.build_api())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            return await asyncio.gather(
+                c.post("/v1/completions", json={**body, "timeout_s": 0.3}),
+                c.post("/v1/completions", json={**body, "timeout_s": 0.3, "stream": True}),
+                c.post("/v1/completions", json={**short, "timeout_s": 60}))
+
+    start = time.monotonic()
+    plain, streamed, beside = asyncio.run(go())
+    assert time.monotonic() - start < 30
+    assert plain.status_code == 504, plain.text
+    err = plain.json()["error"]
+    assert (err["type"], err["code"]) == ("timeout_error", "request_timeout") and "timeout" in err["message"]
+    assert streamed.status_code == 200
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert any(e.get("choices") and e["choices"][0]["text"] for e in events), "no tokens before the timeout"
+    assert events[-1]["error"]["code"] == "request_timeout"
+    assert beside.status_code == 200 and beside.json()["choices"][0]["text"] == expected
+    snap = server.services.slots.snapshot()
+    assert snap.live == () and snap.free == snap.capacity
+    bad = call(server, "POST", "/v1/completions", {**short, "timeout_s": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout_s"

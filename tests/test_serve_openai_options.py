@@ -109,7 +109,10 @@ def test_completion_logprobs_streamed_equal_whole(server):
                     got[key] += getattr(ch.logprobs, key)
     assert got["text"] == whole.text and whole.text.startswith(PROMPTS[0])
     assert got["tokens"] == whole.logprobs.tokens and got["text_offset"] == whole.logprobs.text_offset
-    assert got["token_logprobs"] == whole.logprobs.token_logprobs
+    # Equal up to float32 rounding: adaptive speculation may verify the two runs with different k,
+    # and a matmul over another number of positions rounds differently in the last bits.
+    assert got["token_logprobs"][0] is None is whole.logprobs.token_logprobs[0]
+    assert got["token_logprobs"][1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
     n_prompt = len(server.tokenizer.encode(PROMPTS[0]))
     assert len(whole.logprobs.tokens) == n_prompt + 10
     assert all(len(t) <= 4 for t in whole.logprobs.top_logprobs[1:])  # top 3 plus the chosen token
@@ -125,7 +128,8 @@ def test_chat_logprobs_streamed_and_not(server):
     assert "".join(e.token for e in content) == whole.message.content
     chunks = streamed(server, "chat", **args)
     entries = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-5)  # see above
     plain = chat(server, messages=args["messages"], max_tokens=8, temperature=0).choices[0]
     assert plain.logprobs is None and plain.message.content == whole.message.content
 

@@ -14,6 +14,8 @@ class EngineConfig:
     model: str  # local checkpoint folder of the target
     draft: str | None = None  # local checkpoint folder of the draft; None = no speculation
     num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
+    # Choose each step's k from acceptance and measured costs (engine/adaptive.py); False: always k.
+    adaptive_speculation: bool = True
     draft_window: int = 32  # positions the draft attends to (its ring cache holds window + k)
     capacity: int = 64  # request slots 1..capacity (row 0 is padding)
     max_context: int = 1024  # prompt + output tokens per request

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_kernels import ops
+from dspark_kernels import ops, reference
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
 from dspark_ray.engine.structured import SlotGrammars, fill_mask, unpack
@@ -30,16 +30,32 @@ class DraftCacheBehind(RuntimeError):
 
 
 class RingAttention:
-    """Attention callable over the window cache: write this step's K/V, then attend."""
+    """Attention callable over the window cache: write this step's K/V, then attend.
+
+    On the CPU path (the kernels' torch references) where each entry goes in the ring and what
+    each query sees is worked out once per forward pass, at the first layer, and reused by the
+    others: every layer writes the same positions (a draft pass is two layers of a few ops each,
+    and these masks were a third of its time)."""
 
     def __init__(self, cache: DraftWindowCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.cache, self.slots, self.positions = cache, slots, positions  # [B], [B, T]
+        self.planned = not ops.uses_triton("window_attention", cache.k[0].device)
+        self._ring_plan: reference.RingPlan | None = None
+        self._window_plan: reference.WindowPlan | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.cache
-        c.append(layer, self.slots, self.positions, k.contiguous(), v.contiguous())
-        return ops.window_attention(q.contiguous(), c.k[layer], c.v[layer], self.slots, self.positions,
-                                    c.length, c.window, q.shape[-1] ** -0.5)
+        scale = q.shape[-1] ** -0.5
+        if not self.planned:
+            c.append(layer, self.slots, self.positions, k.contiguous(), v.contiguous())
+            return ops.window_attention(q.contiguous(), c.k[layer], c.v[layer], self.slots, self.positions,
+                                        c.length, c.window, scale)
+        if self._ring_plan is None:  # the first layer: positions checked, the slots' lengths moved on
+            slots, positions = c.cover(self.slots, self.positions)
+            self._ring_plan = reference.RingPlan.of(slots, positions, c.ring)
+            self._window_plan = reference.WindowPlan.of(slots, positions, c.length, c.ring, c.window)
+        reference.ring_write_planned(c.k[layer], c.v[layer], self._ring_plan, k, v)
+        return reference.window_attention_planned(q, c.k[layer], c.v[layer], self.slots, self._window_plan, scale)
 
 
 class RecordingAttention(CausalAttention):
@@ -73,6 +89,8 @@ class DraftProposer:
         # A catch-up of this many tokens can go through the ring without overwriting
         # history that its own first query still needs.
         self.ring_chunk = self.cache.ring - window + 1
+        # The tokens the ring's K/V and the next logits depend on (see _tail_forward).
+        self.tail = cfg.num_layers * (window - 1) + 1
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposeRow]) -> Proposal:
@@ -95,42 +113,54 @@ class DraftProposer:
         self.cache.set_length(slots, torch.tensor([r.start for r in rows], device=self.device))
 
     def _catch_up(self, rows: list[ProposeRow], slots: torch.Tensor) -> torch.Tensor:
-        logits = [None] * len(rows)
-        long = [i for i, r in enumerate(rows) if len(r.token_ids) > self.ring_chunk]
-        for i in long:
-            logits[i] = self._catch_up_long(rows[i])
-        short = [i for i, r in enumerate(rows) if len(r.token_ids) <= self.ring_chunk]
-        if short:
-            out = self._ring_forward([rows[i].token_ids for i in short], [rows[i].start for i in short],
-                                     slots[short])
-            for j, i in enumerate(short):
-                logits[i] = out[j]
+        """Feed each row the tokens it has not seen; [B, V] logits at each row's last token.
+
+        Batched three ways, each exact: a row with at least the tail that the cache and the next
+        logits depend on (or a fresh slot) runs one windowed forward over that tail (rows with
+        equal tails together); the others go through the ring in rounds of at most ``ring_chunk``
+        tokens (a round is one batched pass; most rows need one). A row that skipped speculation
+        for a while (adaptive k = 0) catches up in one of these, not in a pass per token.
+        """
+        logits: list[torch.Tensor | None] = [None] * len(rows)
+        tails: dict[int, list[int]] = {}
+        ring: list[int] = []
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            if n > self.ring_chunk and (r.start == 0 or n >= self.tail):
+                tails.setdefault(min(n, self.tail), []).append(i)
+            else:
+                ring.append(i)
+        for fed, idx in tails.items():
+            for j, out in zip(idx, self._tail_forward([rows[i] for i in idx], fed, slots[idx])):
+                logits[j] = out
+        offset = 0
+        while ring:
+            out = self._ring_forward([rows[i].token_ids[offset:offset + self.ring_chunk] for i in ring],
+                                     [rows[i].start + offset for i in ring], slots[ring])
+            offset += self.ring_chunk
+            for j, i in enumerate(ring):
+                if len(rows[i].token_ids) <= offset:
+                    logits[i] = out[j]
+            ring = [i for i in ring if len(rows[i].token_ids) > offset]
         return torch.stack(logits)
 
-    def _catch_up_long(self, row: ProposeRow) -> torch.Tensor:  # [V]
-        """Feed a long run of tokens: one windowed forward if the slot is empty, else ring chunks."""
-        if row.start > 0:
-            out, start = None, row.start
-            slot = torch.tensor([row.slot], device=self.device)
-            for c in range(0, len(row.token_ids), self.ring_chunk):
-                chunk = row.token_ids[c:c + self.ring_chunk]
-                out = self._ring_forward([chunk], [start + c], slot)[0]
-            return out
-        # Only the tail the cache and the next logits depend on is fed: with a window of W keys per
-        # layer, layer l at position p depends on tokens p - l(W-1) .. p, so the last L(W-1) + 1
-        # tokens give exactly the ring's K/V and the last logits (a long prompt costs the draft
-        # its window, not its length).
-        n = len(row.token_ids)
-        fed = min(n, self.model.config.num_layers * (self.cache.window - 1) + 1)
-        ids = torch.tensor([row.token_ids[n - fed:]], device=self.device)
+    def _tail_forward(self, rows: list[ProposeRow], fed: int, slots: torch.Tensor) -> torch.Tensor:  # [B, V]
+        """Rows that have (at least) their last ``fed`` tokens: one windowed forward over them.
+
+        With a window of W keys per layer, layer l at position p depends on tokens p - l(W-1) .. p,
+        so the last L(W-1) + 1 tokens (``tail``) give exactly the ring's K/V and the last logits
+        (a long prompt, or a long stretch without speculation, costs the draft its window, not its
+        length); the last W positions are written to the ring, the only ones later queries read."""
+        ends = [r.start + len(r.token_ids) for r in rows]
+        ids = torch.tensor([list(r.token_ids[-fed:]) for r in rows], device=self.device)
+        pos = torch.stack([torch.arange(e - fed, e) for e in ends]).to(self.device)
         attn = RecordingAttention(self.cache.window)
-        hidden = self.model.hidden_states(ids, torch.arange(n - fed, n, device=self.device)[None, :], attn)
+        hidden = self.model.hidden_states(ids, pos, attn)
         keep = min(fed, self.cache.window)  # later queries never look further back
-        slot = torch.tensor([row.slot], device=self.device)
-        pos = torch.arange(n - keep, n, device=self.device)[None, :]
         for layer, (k, v) in enumerate(attn.kv):
-            self.cache.append(layer, slot, pos, k[:, fed - keep:].contiguous(), v[:, fed - keep:].contiguous())
-        return self._logits(hidden[0, -1])
+            self.cache.append(layer, slots, pos[:, fed - keep:], k[:, fed - keep:].contiguous(),
+                              v[:, fed - keep:].contiguous())
+        return self._logits(hidden[:, -1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
         return mask_vocab(self.model.logits(hidden), self.vocab_limit)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_ray.engine.adaptive import POPULATION_DECAY, Acceptance, SpecController
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.detokenizer import OutputText
 from dspark_ray.engine.interfaces import (
@@ -77,7 +78,7 @@ from dspark_ray.engine.interfaces import (
     VerifyRow,
 )
 from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
-from dspark_ray.engine.request import FinishReason, Request, Status
+from dspark_ray.engine.request import ErrorCode, FinishReason, Request, Status
 from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from dspark_ray.engine.structured import GRAMMAR_ERROR, GrammarCompiler, GrammarError
@@ -112,6 +113,7 @@ class _Drafted:
     sampling: dict[str, SamplingRow]
     drafts: dict[str, tuple[list[int], torch.Tensor | None]]
     reserved: dict[str, int]  # req_id -> KV tokens its verification may add
+    steady: bool  # every row decoding (its step times teach adaptive speculation)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # structured outputs' masks, computed already
 
 
@@ -130,6 +132,7 @@ class EngineCounters:
     prefix_cache_query_tokens: int = 0  # prompt tokens of prefills that could use the prefix cache
     prefix_cache_hit_tokens: int = 0  # of them, found in the target's prefix cache (not computed)
     grammar_cut_drafts: int = 0  # draft tokens a structured output's grammar forbade (never verified)
+    spec_k_steps: dict[int, int] = field(default_factory=dict)  # adaptive speculation: steps that chose each k
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -177,6 +180,15 @@ class Engine:
                           and hasattr(target, "step_async"))
         self._drafted: _Drafted | None = None
         self._grammar_compiler: GrammarCompiler | None = None
+        self._deadlines = 0  # requests ever given a deadline (expire() has nothing to do without one)
+        # Adaptive speculation (engine/adaptive.py): each step's k, from acceptance and step times.
+        self.spec_controller = (SpecController(self.max_spec_tokens)
+                                if config.adaptive_speculation and self.max_spec_tokens > 0 else None)
+        if self.spec_controller is not None:
+            self.counters.spec_k_steps = self.spec_controller.chosen
+        # Every verification of the requests that adapt to the batch: a new one starts from what
+        # this engine's traffic has been accepting lately, not from a guess.
+        self.population = Acceptance(self.max_spec_tokens, decay=POPULATION_DECAY)
 
     # -- requests ------------------------------------------------------------
 
@@ -185,8 +197,13 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         req_id: str | None = None,
+        deadline: float | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises InvalidRequest, changing nothing."""
+        """Validate and queue a request; returns its id. Raises InvalidRequest, changing nothing.
+
+        ``deadline`` (a ``time.monotonic()`` reading): a request still unfinished then is ended
+        with an error (``ErrorCode.TIMEOUT``), its slot and KV freed, whether it waits, runs or
+        waits for a rebuilt target (``expire``)."""
         params = params or SamplingParams()
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.requests:
@@ -196,7 +213,17 @@ class Engine:
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-        req = Request(req_id=req_id, prompt_token_ids=ids, params=params, seed=seed, num_spec_tokens=k)
+        req = Request(req_id=req_id, prompt_token_ids=ids, params=params, seed=seed, num_spec_tokens=k,
+                      deadline=deadline)
+        if deadline is not None:
+            self._deadlines += 1
+        if self.spec_controller is not None and k and params.num_speculative_tokens is None:
+            # A k the request fixed itself is kept; a seeded sampled request adapts to its own
+            # acceptance only, so its tokens do not depend on what else runs (adaptive.py).
+            req.batch_adapted = params.greedy or params.seed is None
+            # A seeded sampled request starts from the fixed prior: nothing of other requests
+            # may decide its k (its tokens depend on it).
+            req.acceptance = Acceptance(k, self.population.rates()[:k] if req.batch_adapted else None)
         if params.structured is not None:
             req.grammar = self.grammar_compiler.matcher(self.grammar_compiler.check(params.structured))
         self.requests[req_id] = req
@@ -255,13 +282,15 @@ class Engine:
             )
         return ids
 
-    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> bool:
+    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None,
+              code: ErrorCode | None = None) -> bool:
         """End a request now (client gone, cancelled). Returns False if it is unknown or finished."""
         req = self.requests.get(req_id)
         if req is None or req.finished:
             return False
         self.scheduler.remove(req)
         req.error = error
+        req.error_code = (code or ErrorCode.ENGINE_ERROR).value if reason is FinishReason.ERROR else None
         self._finish(req, reason)
         self._pending.append(self._output(req, [], ""))
         self._flush_releases()
@@ -277,14 +306,30 @@ class Engine:
         leases = [SlotLease(r.req_id, r.slot, r.epoch, self.owner) for r in self.requests.values() if r.holds_slot]
         result = self.slots.sync(self.owner, leases)
         for lease in result.conflicts:
-            self.abort(lease.req_id, FinishReason.ERROR, error="its slot was lost while the slot manager restarted")
+            self.abort(lease.req_id, FinishReason.ERROR, error="its slot was lost while the slot manager restarted",
+                       code=ErrorCode.SLOT_LOST)
         return len(result.conflicts)
 
-    def fail_all(self, error: str) -> None:
+    def fail_all(self, error: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
         """End every request in flight with an error (the target lost its KV, say); nothing leaks."""
         for req_id in list(self.requests):
-            self.abort(req_id, FinishReason.ERROR, error=error)
+            self.abort(req_id, FinishReason.ERROR, error=error, code=code)
         self._drafted = None
+
+    def expire(self, now: float | None = None) -> int:
+        """End the requests past their deadline (``add_request``); returns how many. ``step`` calls
+        it; a server loop also calls it while no step runs (a target being rebuilt)."""
+        if not self._deadlines:
+            return 0
+        now = time.monotonic() if now is None else now
+        late = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
+        for r in late:
+            waited = now - r.arrival_time
+            self.abort(r.req_id, FinishReason.ERROR, code=ErrorCode.TIMEOUT, error=(
+                f"request timeout: not finished {waited:.1f} s after it arrived ({len(r.output_token_ids)} "
+                "tokens generated); retry with a longer timeout_s, fewer max_tokens, or when the server is "
+                "less busy"))
+        return len(late)
 
     def reset_target(self, target: TargetService) -> None:
         """Swap in a rebuilt target (after a step failed); the requests that waited resume."""
@@ -310,30 +355,79 @@ class Engine:
         """Run one step; returns an output for every request that progressed or ended."""
         if self.target_error is not None:
             raise TargetUnavailable(f"the target failed ({self.target_error!r}); reset_target must replace it")
+        self.expire()
         if self.pipelined:
             return self._pipelined_step()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(admit=time.monotonic() >= self._admissions_paused_until)
-        self.counters.preemptions += len(plan.preempted)
-        self._release_target.extend(r.slot for r in plan.preempted)
-        self._lease_slots(plan)
+        self._choose_k()
+        plan = self._plan()
         t1 = time.perf_counter()
         if not plan.rows:
             self._flush_releases()
             return outputs
+        steady = self._steady(plan.rows)
         sampling = {r.req_id: self._sampling(r) for r in plan.rows}  # built once, sent to draft and target
         proposal = self._run_speculation(plan, sampling)
         t2 = time.perf_counter()
         result = self._run_target(plan, proposal, sampling)
+        return self._close_step(plan, proposal, result, outputs, steady, t0, t1, t2)
+
+    def _close_step(self, plan: StepPlan, drafts: dict, result: VerifyResult | None, outputs: list[RequestOutput],
+                    steady: bool, t0: float, t1: float, t2: float) -> list[RequestOutput]:
+        """Commit one target call's ``result`` for ``plan``, free what ended, time the step."""
         t3 = time.perf_counter()
         if result is not None:
-            outputs += self._commit(plan, proposal, result)
+            outputs += self._commit(plan, drafts, result)
         self._flush_releases()
         t4 = time.perf_counter()
         self.timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(plan.rows))
         self.counters.steps += 1
+        if steady and result is not None:
+            self._observe_step(len(plan.rows), t4 - t0)
         return outputs
+
+    # -- adaptive speculation (engine/adaptive.py) ------------------------------
+
+    def _choose_k(self) -> None:
+        """The coming step's k, for the requests that adapt to the batch."""
+        if self.spec_controller is None:
+            return
+        s = self.scheduler
+        batch = min(len(s.running) + len(s.waiting), self.config.max_num_seqs)
+        expected = [0.0] * (self.max_spec_tokens + 1)
+        for r in s.running:
+            a = r.acceptance
+            if a is not None and r.batch_adapted:
+                top = min(a.cap, r.num_spec_tokens)
+                for k in range(len(expected)):
+                    expected[k] += a.expected[min(k, top)]
+        if self.pipelined:
+            # A pipelined step commits one half of the batch; at k = 0 it runs the whole batch at
+            # once (_whole_batch_step): per step, drafting is worth half its tokens.
+            expected[1:] = [e / 2 for e in expected[1:]]
+        s.step_k = self.spec_controller.choose(batch, expected) if any(expected) else None
+
+    @staticmethod
+    def _steady(rows: list[Request]) -> bool:
+        """Every row decodes (no prompt or recompute being fed): a step whose time says what k costs."""
+        return all(r.num_tokens - r.target_len <= 1 and r.output_token_ids for r in rows)
+
+    def _observe_step(self, rows: int, seconds: float) -> None:
+        if self.spec_controller is not None and self.scheduler.step_k is not None:
+            self.spec_controller.observe(rows, self.scheduler.step_k, seconds)
+
+    def _plan(self, drafted: _Drafted | None = None, busy: set[str] = frozenset(),
+              max_rows: int | None = None) -> StepPlan:
+        """Schedule this step's rows (besides ``drafted``, the other half in flight), free the KV
+        of those preempted, lease slots for the admitted."""
+        plan = self.scheduler.schedule(
+            admit=time.monotonic() >= self._admissions_paused_until, busy=busy,
+            reserved=sum(drafted.reserved.values()) if drafted else 0, max_rows=max_rows)
+        self.counters.preemptions += len(plan.preempted)
+        self._release_target.extend(r.slot for r in plan.preempted)
+        self._lease_slots(plan)
+        return plan
 
     def _lease_slots(self, plan: StepPlan) -> None:
         """One call for all admissions; under exhaustion, admit those that fit."""
@@ -382,8 +476,9 @@ class Engine:
             return {}
         return self._collect_proposal(self._send_proposal(plan, sampling, self.draft.propose))
 
-    def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow]) -> VerifyResult | None:
-        batch = self._target_batch(plan, drafts, sampling)
+    def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow],
+                    masks: dict[str, torch.Tensor] | None = None) -> VerifyResult | None:
+        batch = self._target_batch(plan, drafts, sampling, masks)
         try:
             return self.target.step(batch)
         except Exception as exc:
@@ -428,6 +523,7 @@ class Engine:
                 drafts.pop(r.req_id, None)
                 self.scheduler.remove(r)
                 r.error = f"{GRAMMAR_ERROR} {exc}"
+                r.error_code = ErrorCode.STRUCTURED_OUTPUT.value
                 self._finish(r, FinishReason.ERROR)
                 self._pending.append(self._output(r, [], ""))
                 continue
@@ -462,18 +558,17 @@ class Engine:
         t0 = time.perf_counter()
         drafted = self._take_drafted()
         busy = {r.req_id for r in drafted.plan.rows} if drafted else set()
-        plan = self.scheduler.schedule(
-            admit=time.monotonic() >= self._admissions_paused_until, busy=busy,
-            reserved=sum(drafted.reserved.values()) if drafted else 0, max_rows=self._half_rows(len(busy)))
-        self.counters.preemptions += len(plan.preempted)
-        self._release_target.extend(r.slot for r in plan.preempted)
-        self._lease_slots(plan)
+        self._choose_k()
+        if self.scheduler.step_k == 0:
+            return self._whole_batch_step(drafted, busy, outputs, t0)
+        plan = self._plan(drafted, busy, self._half_rows(len(busy)))
         t1 = time.perf_counter()
         if not plan.rows and drafted is None:
             self._flush_releases()
             return outputs
         sampling = {r.req_id: self._sampling(r) for r in plan.rows}
         reserved = {r.req_id: self.scheduler.need(r) for r in plan.rows}
+        steady = self._steady(plan.rows) and (drafted is None or drafted.steady)
         # Both calls go out before either is waited for.
         proposing = self._send_proposal(plan, sampling, self.draft.propose_async)
         verifying = batch = None
@@ -508,6 +603,7 @@ class Engine:
             if live:
                 plan.rows = live
                 self._drafted = _Drafted(plan, sampling, drafts, {r.req_id: reserved[r.req_id] for r in live},
+                                         self._steady(live),
                                          {k: v for k, v in masks.items() if k in {r.req_id for r in live}})
         self._flush_releases()
         t4 = time.perf_counter()
@@ -515,7 +611,34 @@ class Engine:
         # (and the masks of what it drafted), "verify" only the wait for the target beyond it.
         self.timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(plan.rows) + len(busy))
         self.counters.steps += 1
+        if steady and error is None and (plan.rows or drafted is not None):
+            # (With one request the steps alternate: one drafts it, the next verifies it.)
+            self._observe_step(len(plan.rows) + len(busy), t4 - t0)
         return outputs
+
+    def _whole_batch_step(self, drafted: _Drafted | None, busy: set[str], outputs: list[RequestOutput],
+                          t0: float) -> list[RequestOutput]:
+        """Adaptive speculation chose k = 0: nothing to overlap, so one target call verifies the
+        half drafted last step (if any) together with every other row this step takes, and the
+        pipeline starts again from empty. (Rows that speculate whatever the step's k, a fixed
+        num_speculative_tokens or a seeded sampled request, are drafted first, in this step.)"""
+        plan = self._plan(drafted, busy, self.config.max_num_seqs - len(busy))
+        t1 = time.perf_counter()
+        if not plan.rows and drafted is None:
+            self._flush_releases()
+            return outputs
+        steady = self._steady(plan.rows) and (drafted is None or drafted.steady)
+        sampling = {r.req_id: self._sampling(r) for r in plan.rows}
+        drafts = self._run_speculation(plan, sampling)
+        masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.rows) else {}
+        t2 = time.perf_counter()
+        if drafted is not None:
+            plan.rows[:0] = drafted.plan.rows
+            sampling.update(drafted.sampling)
+            drafts.update(drafted.drafts)
+            masks.update(drafted.masks)
+        result = self._run_target(plan, drafts, sampling, masks)
+        return self._close_step(plan, drafts, result, outputs, steady, t0, t1, t2)
 
     def _take_drafted(self) -> _Drafted | None:
         """Last step's drafted half, without the requests that ended since."""
@@ -596,6 +719,13 @@ class Engine:
             if k:
                 r.draft_len = old_len + min(accepted, k - 1)
             r.spec.record(k, accepted)
+            if r.acceptance is not None:
+                if k:
+                    r.acceptance.record(k, accepted)
+                    if r.batch_adapted:
+                        self.population.record(k, accepted)
+                else:
+                    r.acceptance.idle()
             if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
                 r.prompt_logprobs = result.prompt_logprobs[i]
             logprobs = result.logprobs[i] if result.logprobs is not None else None
@@ -629,6 +759,7 @@ class Engine:
                     req.grammar.accept(tok)
                 except GrammarError as exc:  # the target's masks make this impossible; end cleanly if not
                     req.error = f"{GRAMMAR_ERROR} {exc}"
+                    req.error_code = ErrorCode.STRUCTURED_OUTPUT.value
                     reason = FinishReason.ERROR
                     break
             if params.stop:
@@ -697,8 +828,9 @@ class Engine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason,
             error=req.error,
+            error_code=req.error_code,
             spec=SpecSummary(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_position),
-                             s.mean_acceptance_length) if req.finished else None,
+                             s.mean_acceptance_length, list(s.steps_by_k)) if req.finished else None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=req.cached_tokens,

@@ -12,6 +12,7 @@ class SpecSummary:
     accepted_tokens: int
     accepted_per_position: list[int]
     mean_acceptance_length: float
+    steps_by_k: list[int] = field(default_factory=list)  # verification steps by draft tokens verified (0..k)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    error_code: str | None = None  # an ErrorCode value, when finish_reason is 'error'
     spec: SpecSummary | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     # The prompt's, on the request's first output when asked for: None for the first prompt token.

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dspark_ray.engine.adaptive import Acceptance
 from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.sampling_params import SamplingParams
 
@@ -28,6 +29,16 @@ class Status(enum.Enum):
     RUNNING = "running"  # holds a slot and target KV
     PREEMPTED = "preempted"  # holds its slot and draft cache, target KV freed
     FINISHED = "finished"
+
+
+class ErrorCode(str, enum.Enum):
+    """Why the engine ended a request with an error: the server's status code and advice follow it."""
+
+    STRUCTURED_OUTPUT = "structured_output_failed"  # the request's grammar could not go on (its own doing)
+    TIMEOUT = "request_timeout"  # past its deadline (Engine.add_request's timeout_s)
+    TARGET_FAILED = "target_failed"  # the target failed and was not rebuilt in time
+    SLOT_LOST = "slot_lost"  # its slot went to another request while the slot manager restarted
+    ENGINE_ERROR = "engine_error"  # anything else on the server's side
 
 
 class FinishReason(str, enum.Enum):
@@ -45,8 +56,12 @@ class SpecStats:
     draft_tokens: int = 0  # draft tokens proposed
     accepted_tokens: int = 0  # draft tokens accepted
     accepted_per_position: list[int] = field(default_factory=list)
+    steps_by_k: list[int] = field(default_factory=list)  # verification steps by their number of drafts (0..k)
 
     def record(self, proposed: int, accepted: int) -> None:
+        if len(self.steps_by_k) <= proposed:
+            self.steps_by_k.extend([0] * (proposed + 1 - len(self.steps_by_k)))
+        self.steps_by_k[proposed] += 1
         if proposed == 0:
             return
         self.drafts += 1
@@ -80,12 +95,19 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: str | None = None  # what kind of error (ErrorCode), when finish_reason is error
+    deadline: float | None = None  # time.monotonic() past which the request ends (ErrorCode.TIMEOUT)
     slot: int = 0
     epoch: int = -1
     target_len: int = 0  # committed target KV (positions 0..target_len-1)
     prefill_chunk: int = 0  # tokens of a partial prefill in flight this step (0: the row feeds all it has not)
     draft_len: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    # Adaptive speculation (engine/adaptive.py): this request's acceptance estimate (None: its k is
+    # fixed), and whether the step's k applies to it too (False: its k follows its own history only,
+    # so a seeded sampled request gives the same tokens whatever else runs).
+    acceptance: Acceptance | None = None
+    batch_adapted: bool = True
     cached_tokens: int = 0  # prompt tokens the target's prefix cache gave (not computed)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -67,6 +67,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._rotation = 0
         self._busy: Collection[str] = ()  # the other half's rows while a pipelined plan is made
+        # The step's k under adaptive speculation (engine/adaptive.py), set before ``schedule``;
+        # None: no step-wide limit.
+        self.step_k: int | None = None
 
     # -- queue changes ---------------------------------------------------------
 
@@ -123,7 +126,12 @@ class Scheduler:
         if not req.output_token_ids:
             return 0
         room = min(req.remaining_tokens() - 1, self.config.max_context - req.num_tokens - 1)
-        return max(0, min(req.num_spec_tokens, room))
+        k = req.num_spec_tokens
+        if req.acceptance is not None:  # adaptive: its own cap, and the step's k unless it opted out
+            k = min(k, req.acceptance.cap)
+            if req.batch_adapted and self.step_k is not None:
+                k = min(k, self.step_k)
+        return max(0, min(k, room))
 
     def need(self, req: Request) -> int:
         """Extra KV tokens ``req`` may take while this step runs. A partial prefill reserves all it

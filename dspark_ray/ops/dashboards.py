@@ -172,6 +172,17 @@ SPECULATION = Dashboard(
                 q(f"sum(rate(ray_dspark_spec_decode_num_draft_tokens_total{MODEL}[{RATE}]))", "draft tokens"),
                 q(f"sum(rate(ray_dspark_spec_decode_num_accepted_tokens_total{MODEL}[{RATE}]))", "accepted tokens"))),
         )),
+        Row("Adaptive speculation", (
+            Panel("Steps by chosen k", (
+                q(f"sum by (k) (rate(ray_dspark_spec_k_steps_total{MODEL}[{RATE}])) / ignoring(k) group_left "
+                  f"sum(rate(ray_dspark_spec_k_steps_total{MODEL}[{RATE}]))", "k = {{k}}"),),
+                unit="percentunit", description="Share of engine steps at each k adaptive speculation chose "
+                "(engine/adaptive.py): k falls as the batch grows or acceptance drops; 0 = no draft at all."),
+            Panel("Draft tokens per verification (mean k)", (
+                q(f"sum by (model) (rate(ray_dspark_spec_decode_num_draft_tokens_total{MODEL}[{RATE}])) / "
+                  f"sum by (model) (rate(ray_dspark_spec_decode_num_drafts_total{MODEL}[{RATE}]))", "{{model}}"),),
+                description="The k requests actually verified, per request step that carried drafts."),
+        )),
         Row("Draft vs verify time", (
             Panel("Engine time share by phase", (
                 q(f"sum by (phase) (rate(ray_dspark_step_phase_time_seconds_total{MODEL}[{RATE}]))", "{{phase}}"),),

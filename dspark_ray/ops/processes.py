@@ -60,12 +60,13 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 5) -> None:
         pass
 
 
-def stop_serve_run(proc: subprocess.Popen | None, port: int, grace_s: float = 5) -> None:
+def stop_serve_run(proc: subprocess.Popen | None, port: int, grace_s: float = 5, wait_port: bool = True) -> None:
     """Tear down a ``serve run`` started against a Ray head this process owns.
 
     Deletes the applications (``serve.shutdown``, bounded to 60 s so a stuck
     controller cannot hang the teardown), stops ``serve run``, shuts down the
-    Ray head (and with it every worker), then waits for the HTTP port.
+    Ray head (and with it every worker), then waits for the HTTP port (unless
+    ``wait_port`` is false: nobody will ask for that port again).
     """
     import ray
     from ray import serve
@@ -85,4 +86,5 @@ def stop_serve_run(proc: subprocess.Popen | None, port: int, grace_s: float = 5)
         if proc is not None:
             stop_process(proc, grace_s)
         ray.shutdown()
-        wait_port_free(port)
+        if wait_port:
+            wait_port_free(port)

@@ -2,7 +2,10 @@
 
 Per replica: one ``TargetShard`` actor per tensor-parallel rank (a
 torch.distributed group among them: gloo on CPU, NCCL on CUDA) and one
-``DraftWorker``; per application: the slot manager (``dspark_ray.slots``).
+``DraftWorker``, their per-slot buffers sized for what this replica holds;
+per application: the slot manager (``dspark_ray.slots``), whose slots every
+replica leases, each lease mapped to a row of the replica's buffers
+(``dspark_ray.slots.ReplicaSlots``).
 The facades (``RayTarget``, ``RayDraft``, ``RaySlots``) give the engine the
 same ``TargetService``/``DraftService``/``SlotService`` methods it uses in
 process, so the engine does not know it is distributed. The workers
@@ -24,7 +27,14 @@ from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, Verif
 from dspark_ray.serve.channel import Channel, ChannelError, encode, gather, new_key
 from dspark_ray.serve.timeline import StepTimeline
 from dspark_ray.serve.workers import DraftWorker, TargetShard
-from dspark_ray.slots import SlotLease, SlotsExhausted, SlotsRecovering, SyncResult, start_slot_manager
+from dspark_ray.slots import (
+    ReplicaSlots,
+    SlotLease,
+    SlotsExhausted,
+    SlotsRecovering,
+    SyncResult,
+    start_slot_manager,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +248,12 @@ class ReplicaServices:
     ``rebuild_target`` replaces them all (in the same placement group). The
     draft worker restarts by itself (Ray ``max_restarts``); until it is back,
     the engine runs without speculation.
+
+    ``config.capacity`` is what this replica holds at once: the rows of its
+    workers' per-slot buffers. ``slot_capacity`` is the application's, the
+    slot manager's (by default the same: one replica). ``slots`` hands the
+    engine leases of the application's slots, each with a row of this
+    replica's buffers (``dspark_ray.slots.ReplicaSlots``).
     """
 
     def __init__(
@@ -252,7 +268,12 @@ class ReplicaServices:
         torch_threads: int,
         slot_timeout_s: float,
         call_timeout_s: float = 120.0,
+        slot_capacity: int | None = None,
     ) -> None:
+        slot_capacity = config.capacity if slot_capacity is None else slot_capacity
+        if slot_capacity < config.capacity:
+            raise ValueError(f"a replica holding {config.capacity} slots needs an application capacity of at "
+                             f"least that, got {slot_capacity}")
         self.config, self.replica = config, replica
         self.call_timeout_s = call_timeout_s
         self.timeline = StepTimeline()  # transport vs compute of every step (GET /stats)
@@ -273,8 +294,9 @@ class ReplicaServices:
                 max_restarts=-1, max_task_retries=0,
             ).remote(config, torch_threads)
             self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline)
-        self.slot_manager = _slot_manager_with_capacity(config.capacity, app_name)
-        self.slots = RaySlots(self.slot_manager, slot_timeout_s)
+        self.slot_manager = _slot_manager_with_capacity(slot_capacity, app_name)
+        self.slots = ReplicaSlots(RaySlots(self.slot_manager, slot_timeout_s), rows=config.capacity,
+                                  app_capacity=slot_capacity)
 
     def _opts(self, bundle: int, name: str, gpus: float) -> dict:
         return dict(
@@ -370,10 +392,15 @@ def start_replica_services(config: EngineConfig, **kwargs) -> ReplicaServices:
 
 
 def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
-    """The server's default services factory: from the deploy-level ``AppConfig``."""
+    """The server's default services factory: from the deploy-level ``AppConfig``.
+
+    The engine config holds this replica's share (``slots_per_replica``); the
+    slot manager the application's ``capacity``.
+    """
     return start_replica_services(
         config.engine_config(), app_name=app_name, replica=replica,
         tensor_parallel_size=config.tensor_parallel_size, placement_strategy=config.placement_strategy,
         cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
         slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
+        slot_capacity=config.capacity,
     )

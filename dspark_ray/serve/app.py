@@ -1,7 +1,8 @@
 """The Serve application builder: ``import_path: dspark_ray.serve.app:build_app`` in YAML.
 
 ``args:`` in the YAML are ``AppConfig`` fields. The builder applies
-``@serve.deployment``; the FastAPI wrapper comes from ``dspark_ray.serve.server``.
+``@serve.deployment`` (with the config's ``num_replicas`` or
+``autoscaling_config``); the FastAPI wrapper comes from ``dspark_ray.serve.server``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,17 @@ def build_app(args: dict | None = None) -> Application:
     # costs the proxy a connection, not its body (the replica reads the body).
     holds = config.max_queued_requests + config.max_num_seqs
     headroom = max(holds, 32)
+    # Replicas: a fixed count, or Serve's autoscaler (Serve refuses both at once). Each replica
+    # leases from the application's one slot manager; its buffers hold its own share
+    # (AppConfig.slots_per_replica, dspark_ray/slots/replica.py).
+    if config.autoscaling_config is not None:
+        replicas = dict(autoscaling_config=config.autoscaling_config)
+    else:
+        replicas = dict(num_replicas=config.num_replicas)
     deployment = serve.deployment(
         DSparkIngress,
         name="DSparkServer",
+        **replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=holds + headroom,
         max_queued_requests=max(1024, 4 * (holds + headroom)),

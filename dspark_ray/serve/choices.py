@@ -61,9 +61,9 @@ def fan_out(prompts: list[list[int]], params: SamplingParams, req_id: str) -> li
 class ChoiceStreams:
     """The engine streams of a request's choices, started together."""
 
-    def __init__(self, loop: EngineLoop, choices: list[Choice]) -> None:
+    def __init__(self, loop: EngineLoop, choices: list[Choice], deadline: float | None = None) -> None:
         self.choices = choices
-        self._streams = [loop.generate(c.prompt_ids, c.params, c.req_id) for c in choices]
+        self._streams = [loop.generate(c.prompt_ids, c.params, c.req_id, deadline) for c in choices]
         self._firsts: list[RequestOutput] = []
 
     async def start(self) -> None:

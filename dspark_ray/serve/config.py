@@ -7,9 +7,9 @@ Every field has a description; validation errors say how to fix the value.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark_ray.engine.config import EngineConfig
 
@@ -22,6 +22,10 @@ def resolve_path(value: str) -> str:
     if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
         p = REPO_ROOT / p
     return str(p)
+
+
+def _located(loc: tuple, message: str) -> str:
+    return f"{'.'.join(map(str, loc))}: {message}" if loc else message
 
 
 class AppConfig(BaseModel):
@@ -42,11 +46,35 @@ class AppConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target shards (one Ray actor each).")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="Most draft tokens verified per step (k).")
+    adaptive_speculation: bool = Field(
+        True, description="Choose each step's k (0..num_speculative_tokens) from each request's observed "
+        "acceptance and the measured cost of drafting and verifying at this batch size, for the most tokens "
+        "per second; false always drafts num_speculative_tokens. A request's own num_speculative_tokens wins.",
+    )
     draft_window: int = Field(32, ge=1, description="Positions the draft attends to (its ring cache size minus k).")
-    capacity: int = Field(64, ge=1, description="Request slots shared by all replicas of the application.")
+    capacity: int = Field(
+        64, ge=1, description="Request slots of the whole application, shared by its replicas: the slot manager "
+        "hands a free one to whichever replica admits a request. Adding replicas adds no slots.",
+    )
+    num_replicas: int = Field(
+        1, ge=1, description="Serve replicas, each with its own engine, target shards and draft worker, all "
+        "leasing from the one slot manager. With autoscaling_config, leave it at 1.",
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve's autoscaling (ray.serve.config.AutoscalingConfig: min_replicas, "
+        "max_replicas, target_ongoing_requests, ...) in place of a fixed num_replicas; null: num_replicas.",
+    )
+    replica_capacity: int | None = Field(
+        None, ge=1, description="Slots one replica holds at once. Its per-slot buffers (draft window cache, "
+        "target request-to-token table) have this many rows plus the padding row, and a null kv_pool_tokens is "
+        "sized from it. null: capacity divided among the most replicas that can run (num_replicas, or "
+        "autoscaling_config's max_replicas), rounded up; set it higher to let replicas share the capacity "
+        "unevenly (the slot manager still caps the total at capacity).",
+    )
     max_context: int = Field(512, ge=2, description="Prompt plus output tokens per request.")
     kv_pool_tokens: int | None = Field(
-        None, description="Target KV pool per replica in tokens; null sizes it from capacity and max_context."
+        None, description="Target KV pool per replica in tokens; null sizes it from the replica's slots "
+        "(replica_capacity) and max_context."
     )
     max_num_seqs: int = Field(32, ge=1, description="Requests in one engine step.")
     max_num_batched_tokens: int = Field(
@@ -71,6 +99,11 @@ class AppConfig(BaseModel):
     worker_call_timeout_s: float = Field(
         120.0, gt=0, description="Deadline for one step's call to a target shard or the draft worker; a worker "
         "that has not answered by then is treated as failed (the target is rebuilt, the draft skipped).",
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="End a request still unfinished this many seconds after it arrived (504 "
+        "request_timeout, or an error event when streaming), its slot freed; a request's own timeout_s applies "
+        "when shorter. null: no limit.",
     )
     target_recovery_timeout_s: float = Field(
         300.0, gt=0, description="After a target shard fails, how long requests in flight wait for the rebuilt "
@@ -131,6 +164,49 @@ class AppConfig(BaseModel):
                              "or null")
         return value
 
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _valid_autoscaling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from ray.serve.config import AutoscalingConfig
+
+        known = AutoscalingConfig.model_fields
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"unknown autoscaling_config key(s) {', '.join(unknown)}; Ray Serve knows "
+                             f"{', '.join(known)}")
+        try:
+            AutoscalingConfig(**value)
+        except ValidationError as exc:
+            problems = "; ".join(_located(e["loc"], e["msg"].removeprefix("Value error, ")) for e in exc.errors())
+            raise ValueError(f"autoscaling_config is not valid for Ray Serve: {problems}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _replicas_fit_capacity(self) -> AppConfig:
+        if self.autoscaling_config is not None and self.num_replicas != 1:
+            raise ValueError(
+                f"num_replicas ({self.num_replicas}) and autoscaling_config exclude each other: with "
+                "autoscaling_config Serve keeps between min_replicas and max_replicas replicas; remove "
+                "num_replicas or autoscaling_config"
+            )
+        most, what = self.max_replicas, "num_replicas" if self.autoscaling_config is None else "max_replicas"
+        if most > self.capacity:
+            raise ValueError(f"{what} ({most}) exceeds capacity ({self.capacity}): every replica needs at least "
+                             f"one slot; raise capacity to {most} or lower {what}")
+        if self.replica_capacity is None:
+            return self
+        if self.replica_capacity > self.capacity:
+            raise ValueError(f"replica_capacity ({self.replica_capacity}) exceeds capacity ({self.capacity}): a "
+                             "replica cannot hold more slots than the application has; lower it or raise capacity")
+        if self.replica_capacity * most < self.capacity:
+            reach = self.replica_capacity * most
+            raise ValueError(f"capacity ({self.capacity}) is out of reach: {most} replicas holding replica_capacity "
+                             f"({self.replica_capacity}) each hold {reach}; lower capacity to {reach} or raise "
+                             "replica_capacity (or leave it null)")
+        return self
+
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
         if self.device == "cuda" and self.cpus_per_shard > 4:
@@ -146,13 +222,31 @@ class AppConfig(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas that run at once: num_replicas, or autoscaling_config's max_replicas."""
+        if self.autoscaling_config is None:
+            return self.num_replicas
+        from ray.serve.config import AutoscalingConfig
+
+        return AutoscalingConfig(**self.autoscaling_config).max_replicas
+
+    @property
+    def slots_per_replica(self) -> int:
+        """Slots one replica holds at once, the rows of its per-slot buffers (besides the padding row)."""
+        if self.replica_capacity is not None:
+            return self.replica_capacity
+        return -(-self.capacity // self.max_replicas)
+
     def engine_config(self) -> EngineConfig:
+        """One replica's engine: its capacity is the replica's slots (``slots_per_replica``), not the app's."""
         return EngineConfig(
             model=self.model,
             draft=self.draft,
             num_speculative_tokens=self.num_speculative_tokens,
+            adaptive_speculation=self.adaptive_speculation,
             draft_window=self.draft_window,
-            capacity=self.capacity,
+            capacity=self.slots_per_replica,
             max_context=self.max_context,
             kv_pool_tokens=self.kv_pool_tokens,
             max_num_seqs=self.max_num_seqs,

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from dspark_ray.engine import Engine, RequestOutput, SamplingParams
 from dspark_ray.engine.engine import ENGINE_FAILED, TARGET_FAILED
+from dspark_ray.engine.request import ErrorCode
 from dspark_ray.engine.interfaces import TargetService
 from dspark_ray.serve.metrics import ServingMetrics
 from dspark_ray.serve.timeline import StepTimeline
@@ -86,9 +87,10 @@ class EngineLoop:
         return len(self.engine.scheduler.waiting) + len(self._inbox)
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, req_id: str
+        self, prompt: str | Sequence[int], params: SamplingParams, req_id: str, deadline: float | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the caller stops listening."""
+        """Stream a request's outputs; the request is aborted if the caller stops listening.
+        ``deadline``: a ``time.monotonic()`` reading past which it ends with a timeout error."""
         if not self.alive:
             raise EngineDead(f"the engine loop is not running: {self.error!r}")
         waiting = self.num_waiting()
@@ -101,7 +103,7 @@ class EngineLoop:
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt, params, req_id)
+                self.engine.add_request(prompt, params, req_id, deadline=deadline)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 accepted.set_exception(exc)
                 return
@@ -192,8 +194,13 @@ class EngineLoop:
                 self.engine.sync_slots()
             except Exception as exc:  # noqa: BLE001 - the manager may be restarting; next beat retries
                 log.warning("slot heartbeat failed: %r", exc)
-        if self.engine.target_error is not None and now >= self._next_rebuild:
-            self._recover_target(now)
+        if self.engine.target_error is not None:
+            if self.engine.expire(now):  # steps do this; none runs while the target is rebuilt
+                expired = self.engine.take_pending()
+                self._deliver(expired)
+                self.metrics.after_step(expired, self.num_waiting())
+            if now >= self._next_rebuild:
+                self._recover_target(now)
 
     def _recover_target(self, now: float) -> None:
         """Rebuild the failed target; past the recovery deadline, end the requests that waited."""
@@ -201,7 +208,7 @@ class EngineLoop:
         if self.rebuild_target is None or now - engine.target_failed_at > self.target_recovery_timeout_s:
             log.error("target not rebuilt within %.0fs of its failure; ending the requests in flight",
                       now - engine.target_failed_at)
-            engine.fail_all(TARGET_FAILED)
+            engine.fail_all(TARGET_FAILED, ErrorCode.TARGET_FAILED)
             failed = engine.take_pending()
             self._deliver(failed)
             self.metrics.after_step(failed, self.num_waiting())

@@ -120,6 +120,7 @@ class StepReport:
     prefilling: int = 0  # running requests whose prompt (or recompute) is not fed yet
     counts: dict[str, int] = field(default_factory=dict)  # ENGINE_COUNTERS added by this pass
     spec: SpecDelta = field(default_factory=SpecDelta)
+    spec_k: int | None = None  # the k adaptive speculation chose for this step (None: no step, or fixed k)
 
 
 @dataclass
@@ -161,6 +162,8 @@ class StepObserver:
             t = engine.timings
             report.batch_size = t.rows
             report.phase_seconds = {p: getattr(t, p) for p in PHASES}
+            if getattr(engine, "spec_controller", None) is not None:
+                report.spec_k = engine.scheduler.step_k
         report.preemptions = counters.preemptions - self._preemptions
         report.draft_failures = counters.draft_failures - self._draft_failures
         self._steps = counters.steps
@@ -255,6 +258,8 @@ class ServingMetrics:
         self.accepted_tokens = make(Counter, "dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = make(Counter, "dspark_spec_decode_num_accepted_tokens_per_pos",
                                      "Drafts accepted at least up to position (0-based).", ("position",))
+        self.spec_k_steps = make(Counter, "dspark_spec_k_steps", "Engine steps by the k adaptive speculation "
+                                 "chose (the most draft tokens a request verified in that step).", ("k",))
         self._recorder.start()
 
     @classmethod
@@ -290,6 +295,8 @@ class ServingMetrics:
                 self.engine_counters[name].inc(n)
         if r.batch_size:
             self.batch_size.observe(r.batch_size)
+            if r.spec_k is not None:
+                self.spec_k_steps.inc(tags={"k": str(r.spec_k)})
             for phase, seconds in r.phase_seconds.items():
                 self.step_phase.observe(seconds, tags={"phase": phase})
                 if seconds > 0:

@@ -63,6 +63,10 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM extension: keep the prompt's last N.")
     speculative: bool = Field(True, description="dspark extension: turn speculation off for this request.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="dspark extension: this request's k.")
+    timeout_s: float | None = Field(None, gt=0, le=86400, description="dspark extension: end this request if it "
+                                    "has not finished this many seconds after it arrived (504 request_timeout, "
+                                    "or an error event when streaming); the server's request_timeout_s applies "
+                                    "when shorter.")
     cache_salt: str | None = Field(None, min_length=1, max_length=256, description="vLLM extension: prefix-cache "
                                    "blocks are shared only between requests with the same salt.")
     prefix_cache: bool = Field(True, description="dspark extension: false keeps this request out of the "
@@ -458,6 +462,9 @@ class Speculation(BaseModel):
     accepted_tokens: int
     accepted_per_position: list[int]
     mean_acceptance_length: float
+    steps_by_k: list[int] = Field(default_factory=list, description="Verification steps by the number of draft "
+                                  "tokens they verified (index 0..k): what adaptive speculation chose for this "
+                                  "request, step by step.")
 
     @classmethod
     def of(cls, s: SpecSummary | None) -> Speculation | None:
@@ -537,6 +544,8 @@ class GenerateChunk(BaseModel):
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = Field(None, description="When finish_reason is error: structured_output_failed, "
+                                   "request_timeout, target_failed, slot_lost or engine_error.")
     usage: Usage | None = None
     speculation: Speculation | None = None
 

@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
-from dspark_ray.engine.structured import GRAMMAR_ERROR
+from dspark_ray.engine.request import ErrorCode
 from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
@@ -135,10 +136,13 @@ def _api_error(exc: BaseException) -> APIError:
 
 
 def _generation_error(out: RequestOutput) -> APIError:
-    """The error of a request the engine ended: its grammar could not go on (the request's
-    own constraint: a 400), or a failure on the server's side (503: retry)."""
-    if out.error and out.error.startswith(GRAMMAR_ERROR):
-        return APIError(400, out.error, code="structured_output_failed")
+    """The error of a request the engine ended, by its ``error_code``: its grammar could not go on
+    (the request's own constraint: a 400), its deadline passed (504), or a failure on the server's
+    side (503: retry)."""
+    if out.error_code == ErrorCode.STRUCTURED_OUTPUT:
+        return APIError(400, out.error, code=out.error_code)
+    if out.error_code == ErrorCode.TIMEOUT:
+        return APIError(504, out.error, err_type="timeout_error", code=out.error_code)
     return APIError(503, out.error or "generation failed", err_type="server_error", code="engine_error")
 
 
@@ -333,7 +337,7 @@ class DSparkServer:
         params = req.params()
         self._check_fan_out("n", params.n)
         ids = self.loop.engine.check(prompt, dataclasses.replace(params, n=1))
-        streams = ChoiceStreams(self.loop, fan_out([ids], params, req_id))
+        streams = ChoiceStreams(self.loop, fan_out([ids], params, req_id), self._deadline(req))
         await streams.start()
         merged = streams.merged()
         try:
@@ -413,10 +417,17 @@ class DSparkServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _deadline(self, req) -> float | None:
+        """When this request ends if unfinished: its timeout_s or the server's request_timeout_s,
+        the shorter, from now (None: neither is set)."""
+        limits = [t for t in (req.timeout_s, self.config.request_timeout_s) if t is not None]
+        return time.monotonic() + min(limits) if limits else None
+
     def _check_fan_out(self, field: str, runs: int) -> int:
-        """Choices per prompt run at once: at most the slot capacity (each holds a slot)."""
-        if runs > self.config.capacity:
-            raise InvalidRequest(field, f"at most {self.config.capacity} (the slot capacity), got {runs}")
+        """Choices per prompt run at once, on this replica: at most its slots (each holds one)."""
+        most = self.config.slots_per_replica
+        if runs > most:
+            raise InvalidRequest(field, f"at most {most} (the slots one replica holds), got {runs}")
         return runs
 
     def _check_prompt(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], str]:
@@ -427,7 +438,7 @@ class DSparkServer:
 
     async def _respond(self, req, req_id: str, choices: list[Choice], view, keep: int):
         """Run the choices and answer: one body, or an SSE stream. ``keep``: choices returned per prompt."""
-        streams = ChoiceStreams(self.loop, choices)
+        streams = ChoiceStreams(self.loop, choices, self._deadline(req))
         await streams.start()  # errors surface here, before any response is sent
         if req.stream:
             return StreamingResponse(self._sse(req, req_id, streams, view), media_type="text/event-stream",
@@ -491,7 +502,7 @@ def _chunk(c: Choice, out: RequestOutput) -> GenerateChunk:
     """A handle API chunk of one sample's output."""
     return GenerateChunk(
         request_id=c.req_id, index=c.index, text=out.new_text, token_ids=out.new_token_ids, finished=out.finished,
-        finish_reason=out.finish_reason, error=out.error,
+        finish_reason=out.finish_reason, error=out.error, error_code=out.error_code,
         usage=_usage(out) if out.finished else None, speculation=Speculation.of(out.spec),
         logprobs=None if out.logprobs is None else [Logprob.of(lp) for lp in out.logprobs],
         prompt_logprobs=None if out.prompt_logprobs is None else [Logprob.of(lp) for lp in out.prompt_logprobs],

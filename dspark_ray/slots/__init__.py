@@ -8,6 +8,10 @@ Three levels, as in SGLang's memory pool:
   target's KV pool; ``TokenKVAllocator`` hands those indices out.
 - ``DraftWindowCache`` holds the draft model's sliding-window K/V per slot.
 
+Slots are the application's, shared by its replicas; each replica's buffers
+have rows for what that replica holds, and ``ReplicaSlots`` gives every lease
+it takes a row of its own (``replica.py`` says why).
+
 Names are resolved lazily so that bookkeeping code importing the registry
 pays for neither torch nor ray.
 """
@@ -34,6 +38,7 @@ _EXPORTS = {
     "get_slot_manager": "manager",
     "slot_manager_name": "manager",
     "start_slot_manager": "manager",
+    "ReplicaSlots": "replica",
     "KVPoolExhausted": "req_to_token",
     "ReqToTokenTable": "req_to_token",
     "TokenKVAllocator": "req_to_token",
@@ -44,6 +49,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .manager import SlotManager, SlotsRecovering, get_slot_manager, slot_manager_name, start_slot_manager
+    from .replica import ReplicaSlots
     from .registry import (
         PADDING_SLOT,
         LiveLease,

@@ -125,6 +125,12 @@ def _use_triton(module_name: str, device: torch.device) -> bool:
     return True
 
 
+def uses_triton(kernel: str, device: torch.device) -> bool:
+    """Whether ``kernel`` (ring_write, window_attention, rejection) runs as Triton on ``device``;
+    False: its torch reference (``dspark_kernels.reference``) runs."""
+    return _use_triton(kernel, device)
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise KernelInputError(message)

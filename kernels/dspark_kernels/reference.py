@@ -33,12 +33,26 @@ def ring_write(
     v: torch.Tensor,  # [B, T, kv_heads, head_dim]
 ) -> None:
     """Scatter a step's new K/V into each slot's ring at `position % ring`."""
-    ring = k_cache.shape[1]
-    rows, cols = torch.nonzero(positions >= 0, as_tuple=True)
-    slot = slots[rows]
-    ring_index = positions[rows, cols] % ring
-    k_cache[slot, ring_index] = k[rows, cols].to(k_cache.dtype)
-    v_cache[slot, ring_index] = v[rows, cols].to(v_cache.dtype)
+    ring_write_planned(k_cache, v_cache, RingPlan.of(slots, positions, k_cache.shape[1]), k, v)
+
+
+class RingPlan:
+    """Where a step's entries go in the rings: the same for every layer of one forward pass."""
+
+    def __init__(self, rows: torch.Tensor, cols: torch.Tensor, slot: torch.Tensor, ring_index: torch.Tensor) -> None:
+        self.rows, self.cols, self.slot, self.ring_index = rows, cols, slot, ring_index
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, positions: torch.Tensor, ring: int) -> RingPlan:
+        rows, cols = torch.nonzero(positions >= 0, as_tuple=True)
+        return cls(rows, cols, slots[rows], positions[rows, cols] % ring)
+
+
+def ring_write_planned(k_cache: torch.Tensor, v_cache: torch.Tensor, plan: RingPlan, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+    """``ring_write`` with the entries' places computed already (``RingPlan``)."""
+    k_cache[plan.slot, plan.ring_index] = k[plan.rows, plan.cols].to(k_cache.dtype)
+    v_cache[plan.slot, plan.ring_index] = v[plan.rows, plan.cols].to(v_cache.dtype)
 
 
 def window_attention(
@@ -64,28 +78,45 @@ def window_attention(
     epoch (r >= cache_length) are zeroed before use so that stale or poisoned
     (NaN) contents cannot leak through a zero attention weight.
     """
-    ring = k_cache.shape[1]
+    plan = WindowPlan.of(slots, positions, cache_lengths, k_cache.shape[1], window)
+    return window_attention_planned(q, k_cache, v_cache, slots, plan, scale)
 
-    length = cache_lengths[slots]  # [B]
-    ring_index = torch.arange(ring, device=q.device)  # [ring]
-    live = (ring_index[None, :] < length[:, None])[:, None, :, None]  # [B, 1, ring, 1]
-    k = torch.where(live, k_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
-    v = torch.where(live, v_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
 
-    p = positions[:, :, None]  # [B, T, 1]
-    key_pos = p - torch.remainder(p - ring_index, ring)  # [B, T, ring]
-    visible = (
-        (p >= 0)
-        & (key_pos >= 0)
-        & (key_pos > p - window)
-        & (key_pos < length[:, None, None])
-    )  # [B, T, ring]
-    any_visible = visible.any(dim=-1)  # [B, T]
-    # A query that sees nothing attends to everything (a finite softmax) and is zeroed after.
-    mask = visible | ~any_visible[:, :, None]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask[:, None], scale=scale,
+class WindowPlan:
+    """Which ring entries each query sees: the same for every layer of one forward pass (every
+    layer writes the same positions, so the lengths after the first layer's write hold for all)."""
+
+    def __init__(self, live: torch.Tensor, mask: torch.Tensor, any_visible: torch.Tensor) -> None:
+        self.live, self.mask, self.any_visible = live, mask, any_visible
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, positions: torch.Tensor, cache_lengths: torch.Tensor, ring: int,
+           window: int) -> WindowPlan:
+        length = cache_lengths[slots]  # [B]
+        ring_index = torch.arange(ring, device=positions.device)  # [ring]
+        live = (ring_index[None, :] < length[:, None])[:, None, :, None]  # [B, 1, ring, 1]
+        p = positions[:, :, None]  # [B, T, 1]
+        key_pos = p - torch.remainder(p - ring_index, ring)  # [B, T, ring]
+        visible = (
+            (p >= 0)
+            & (key_pos >= 0)
+            & (key_pos > p - window)
+            & (key_pos < length[:, None, None])
+        )  # [B, T, ring]
+        any_visible = visible.any(dim=-1)  # [B, T]
+        # A query that sees nothing attends to everything (a finite softmax) and is zeroed after.
+        mask = (visible | ~any_visible[:, :, None])[:, None]  # [B, 1, T, ring]
+        return cls(live, mask, any_visible)
+
+
+def window_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                             plan: WindowPlan, scale: float) -> torch.Tensor:
+    """``window_attention`` with the visibility computed already (``WindowPlan``)."""
+    k = torch.where(plan.live, k_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
+    v = torch.where(plan.live, v_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=plan.mask, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[2])  # [B, H, T, D]
-    out = torch.where(any_visible[:, :, None, None], out.transpose(1, 2), 0.0)
+    out = torch.where(plan.any_visible[:, :, None, None], out.transpose(1, 2), 0.0)
     return out.to(q.dtype)
 
 
