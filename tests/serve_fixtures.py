@@ -153,6 +153,19 @@ class ServeRun:
         return f"http://127.0.0.1:{self.port}"
 
 
+def http_port(config: dict) -> int:
+    """Where a Serve YAML's application answers HTTP: its replicas' own ``http_port``, else Serve's proxy."""
+    port = config["applications"][0]["args"].get("http_port")
+    return port if port is not None else config["http_options"]["port"]
+
+
+def set_http_port(config: dict, port: int) -> None:
+    if config["applications"][0]["args"].get("http_port") is not None:
+        config["applications"][0]["args"]["http_port"] = port
+    else:
+        config["http_options"]["port"] = port
+
+
 def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> tuple[Path, int]:
     """deploy/dspark.yaml itself on the shipped pair; otherwise a copy pointing at the tiny pair.
 
@@ -166,7 +179,7 @@ def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> t
 
     text = DEPLOY_YAML.read_text()
     config = yaml.safe_load(text)
-    port = config["http_options"]["port"]
+    port = http_port(config)
     if models.shipped and port_is_free(port) and not args:
         return DEPLOY_YAML, port
     app = config["applications"][0]
@@ -174,7 +187,8 @@ def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> t
     app["args"]["draft"] = str(models.draft)
     app["args"].update(args or {})
     if args or not port_is_free(port):
-        port = config["http_options"]["port"] = free_port()
+        port = free_port()
+        set_http_port(config, port)
     path = folder / "dspark.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, port
@@ -228,11 +242,13 @@ def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 24
 
 
 def ours(run: ServeRun) -> bool:
-    """The application answering is the one in our cluster: it runs and our proxy holds the port.
+    """The application answering is the one in our cluster: it runs, and the port is held by its
+    replicas (their own HTTP server) or by our healthy proxy.
 
     (A healthy /health alone could come from someone else's server on this
-    shared machine had our proxy failed to bind.)
+    shared machine had ours failed to bind.)
     """
+    import httpx
     from ray import serve
     from ray.serve.schema import ApplicationStatus, ProxyStatus
 
@@ -241,8 +257,17 @@ def ours(run: ServeRun) -> bool:
     except Exception:  # noqa: BLE001 - Serve not up in our cluster (yet)
         return False
     app = status.applications.get(run.app_name)
-    return (app is not None and app.status == ApplicationStatus.RUNNING and bool(status.proxies)
-            and all(p == ProxyStatus.HEALTHY for p in status.proxies.values()))
+    if app is None or app.status != ApplicationStatus.RUNNING:
+        return False
+    if run.args.get("http_port") is None:
+        return bool(status.proxies) and all(p == ProxyStatus.HEALTHY for p in status.proxies.values())
+    # The replicas serve HTTP themselves: the port's /stats is a replica of this cluster's (its
+    # steps counter is its engine's), and no proxy was started.
+    try:
+        stats = httpx.get(f"{run.base_url}/stats", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return not status.proxies and "steps" in stats and bool(serve_replicas(run.app_name))
 
 
 def stop_serve(run: ServeRun) -> None:
@@ -256,7 +281,7 @@ def stop_serve(run: ServeRun) -> None:
     """
     import yaml
 
-    shipped = run.port == yaml.safe_load(DEPLOY_YAML.read_text())["http_options"]["port"]
+    shipped = run.port == http_port(yaml.safe_load(DEPLOY_YAML.read_text()))
     stop_serve_run(run.proc, run.port, wait_port=shipped)
 
 

@@ -43,6 +43,7 @@ from ray import serve
 
 from conftest import REPO
 from dspark_ray.serve.app import build_app
+from dspark_ray.ops.processes import free_port
 from dspark_ray.slots.manager import SlotManager, start_slot_manager
 from dspark_ray.tokenizer import Tokenizer
 from serve_fixtures import (  # noqa: F401 - serve_models, served are fixtures
@@ -76,12 +77,13 @@ PROMPTS = ["ROMEO:\nBut soft, what light", "To be, or not"]
 @pytest.fixture(scope="module")
 def app(served: ServeRun, serve_models):
     """A second application: tensor-parallel 1 with the draft, 4 slots, a queue of 4, an API key."""
+    port = free_port()  # its replica serves HTTP on a port of its own (the shipped YAML's way)
     args = dict(served.args, model=str(serve_models.target), draft=str(serve_models.draft),
                 tensor_parallel_size=1, capacity=CAPACITY, max_num_seqs=CAPACITY,
-                max_queued_requests=MAX_QUEUED, max_context=MAX_CONTEXT, api_key=API_KEY)
+                max_queued_requests=MAX_QUEUED, max_context=MAX_CONTEXT, api_key=API_KEY, http_port=port)
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
     try:
-        yield f"{served.base_url}{PREFIX}"
+        yield f"http://127.0.0.1:{port}"
     finally:
         serve.delete(APP)
 
@@ -222,7 +224,9 @@ def test_owner_timeout_constant_matches_the_slot_manager_default():
 
 def test_shipped_yaml_binds_loopback_and_the_runbook_documents_api_key():
     config = yaml.safe_load(DEPLOY_YAML.read_text())
-    assert config["http_options"]["host"] == "127.0.0.1", config["http_options"]
+    # The replicas serve HTTP themselves, on loopback; Serve starts no proxy that could listen elsewhere.
+    assert config["applications"][0]["args"]["http_host"] == "127.0.0.1", config["applications"][0]["args"]
+    assert config["proxy_location"] == "Disabled", config
     security = (REPO / "runbooks" / "security.md").read_text()
     assert "api_key" in security and "Authorization: Bearer" in security and "401" in security
     # ... and which of Ray's ports must never face an untrusted network.
@@ -242,7 +246,7 @@ def non_loopback_address() -> str | None:
     return None if addr.startswith("127.") else addr
 
 
-def test_the_running_proxy_is_unreachable_off_loopback(served):
+def test_the_running_server_is_unreachable_off_loopback(served):
     assert httpx.get(f"{served.base_url}/health", timeout=10).status_code == 200
     addr = non_loopback_address()
     if addr is None:

@@ -27,6 +27,7 @@ import openai
 import pytest
 from ray import serve
 
+from dspark_ray.ops.processes import free_port
 from dspark_ray.serve.app import build_app
 from serve_fixtures import ServeRun, serve_models, served, slot_snapshot, wait_for  # noqa: F401 - fixtures
 
@@ -409,11 +410,12 @@ def test_concurrent_requests_all_succeed_and_match_solo_runs(served, client):
 def test_overload_gets_503_with_retry_after(served, serve_models):
     """max_num_seqs 1, max_queued_requests 1: with one request running, of 7 more sent at once one
     queues and six are refused at once with 503 + Retry-After, rather than waiting in Serve."""
+    port = free_port()  # its replica serves HTTP on a port of its own (the shipped YAML's way)
     args = dict(served.args, model=str(serve_models.target), draft=None, tensor_parallel_size=1,
-                max_num_seqs=1, max_queued_requests=1, capacity=4)
+                max_num_seqs=1, max_queued_requests=1, capacity=4, http_port=port)
     serve.run(build_app(args), name=OVERLOAD_APP, route_prefix="/overload")
     try:
-        url = "/overload/v1/completions"
+        url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"model": served.model, "prompt": PROMPTS[0], "temperature": 0, "ignore_eos": True}
         handle = serve.get_app_handle(OVERLOAD_APP)
 

@@ -11,8 +11,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
+from dspark_ray.serve.autoscaling import with_policy
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.server import DSparkIngress
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource (amount 1)
 
 
 def build_app(args: dict | None = None) -> Application:
@@ -36,17 +39,27 @@ def build_app(args: dict | None = None) -> Application:
     # leases from the application's one slot manager; its buffers hold its own share
     # (AppConfig.slots_per_replica, dspark_ray/slots/replica.py).
     if config.autoscaling_config is not None:
-        replicas = dict(autoscaling_config=config.autoscaling_config)
+        # Requests served by the replicas' own HTTP server never pass Serve's proxy: autoscale on
+        # what each replica holds (dspark_ray/serve/autoscaling.py).
+        scaling = config.autoscaling_config
+        replicas = dict(autoscaling_config=with_policy(scaling) if config.http_port is not None else scaling)
     else:
         replicas = dict(num_replicas=config.num_replicas)
+    # A replica that serves HTTP itself (http_port) runs on the head node, as the proxy of the
+    # shipped YAMLs did (proxy_location: HeadOnly), so the address clients use does not depend on
+    # where Serve happened to place it; the replicas there share the port.
+    actor_options: dict = {"num_cpus": 0}
+    if config.http_port is not None:
+        actor_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
     deployment = serve.deployment(
         DSparkIngress,
         name="DSparkServer",
         **replicas,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=actor_options,
         max_ongoing_requests=holds + headroom,
         max_queued_requests=max(1024, 4 * (holds + headroom)),
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         health_check_period_s=10,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     )
     return deployment.bind(config.model_dump())

@@ -34,9 +34,11 @@ from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingPar
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
 from dspark_ray.engine.request import ErrorCode
 from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
+from dspark_ray.serve.autoscaling import ONGOING_METRIC
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
-from dspark_ray.serve.metrics import ServingMetrics, vllm_spec_decode_text
+from dspark_ray.serve.http import ReplicaHTTP
+from dspark_ray.serve.metrics import HTTPMetrics, ServingMetrics, vllm_spec_decode_text
 from dspark_ray.serve.choices import Choice, ChoiceStreams, fan_out
 from dspark_ray.serve.protocol import (
     PromptTokensDetails,
@@ -189,7 +191,7 @@ class DSparkServer:
     def __init__(self, config: dict | AppConfig, services: ServicesFactory | None = None) -> None:
         self.config = config if isinstance(config, AppConfig) else AppConfig(**config)
         cfg = self.config
-        self.echo_request_id = True  # X-Request-Id on every completion response (Serve's proxy does it there)
+        self.http: ReplicaHTTP | None = None
         app_name, replica = _replica_identity()
         engine_config = cfg.engine_config()
         self.tokenizer = Tokenizer.from_path(cfg.model)
@@ -198,11 +200,17 @@ class DSparkServer:
         self.loop = EngineLoop(engine, cfg.max_queued_requests, rebuild_target=s.rebuild_target,
                                metrics=ServingMetrics(engine, cfg.model_name, replica),
                                target_recovery_timeout_s=cfg.target_recovery_timeout_s)
+        if cfg.http_port is not None:  # the replica's own listener (dspark_ray/serve/http.py says why)
+            self.http = ReplicaHTTP(self.build_api(), cfg.http_host, cfg.http_port,
+                                    HTTPMetrics(cfg.model_name, replica))
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
-    def build_api(self) -> FastAPI:
-        """This replica's HTTP routes as a FastAPI app (Serve mounts it; tests can too)."""
+    def build_api(self, echo_request_id: bool = True) -> FastAPI:
+        """This replica's HTTP routes as a FastAPI app (Serve mounts it, the replica's own HTTP server
+        serves it, tests can too). ``echo_request_id``: put ``X-Request-Id`` on every completion
+        response (not under Serve's proxy, which does it already)."""
         api = FastAPI(title="dspark_ray", description="Speculative-decoding LLM serving (OpenAI-compatible)")
+        api.state.echo_request_id = echo_request_id
         api.get("/health")(self.health)
         api.get("/v1/models")(self.models)
         api.post("/v1/completions")(self.completions)
@@ -214,11 +222,13 @@ class DSparkServer:
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve's proxy puts an X-Request-Id on every request (the client's, or one it makes) and
         # sends it back on the response; a second copy from here would duplicate the header.
-        self.echo_request_id = False
-        return self.build_api()
+        return self.build_api(echo_request_id=False)
 
     def shutdown(self) -> None:
-        """Stop the engine loop and the services (idempotent)."""
+        """Stop accepting HTTP, then the engine loop and the services (idempotent)."""
+        http, self.http = getattr(self, "http", None), None
+        if http is not None:  # its requests are not among those Serve waited for: they get the grace here
+            http.stop(grace_s=max(1.0, self.config.graceful_shutdown_timeout_s - 2))
         loop, self.loop = getattr(self, "loop", None), None
         if loop is not None:
             loop.shutdown()
@@ -263,7 +273,7 @@ class DSparkServer:
             choices = fan_out([ids for ids, _ in prompts], params, req_id)
             view = CompletionView(self._token_text, [t for _, t in prompts] if req.echo else None,
                                   req.logprobs is not None)
-            return await self._respond(req, req_id, choices, view, keep=req.n)
+            return await self._respond(request, req, req_id, choices, view, keep=req.n)
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return _api_error(exc).response()
 
@@ -303,7 +313,7 @@ class DSparkServer:
             view = ChatView(self._token_text, echo, bool(req.logprobs), tool_mode,
                             (lambda: make_reasoning_parser(reasoning)) if reasoning else None)
             req_id = _request_id(request, "chatcmpl")
-            return await self._respond(req, req_id, fan_out([ids], params, req_id), view, keep=req.n)
+            return await self._respond(request, req, req_id, fan_out([ids], params, req_id), view, keep=req.n)
         except Exception as exc:  # noqa: BLE001
             return _api_error(exc).response()
 
@@ -360,6 +370,12 @@ class DSparkServer:
             last = chunk
         return last.model_copy(update={"text": "".join(text), "token_ids": ids, "prompt_logprobs": prompt_logprobs,
                                        "logprobs": logprobs if last.logprobs is not None else None})
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: the requests this replica's engine holds (running, queued,
+        submitted), whichever way they came (dspark_ray/serve/autoscaling.py)."""
+        engine = self.loop.engine
+        return {ONGOING_METRIC: float(len(engine.scheduler.running) + self.loop.num_waiting())}
 
     async def stats(self) -> dict:
         """Replica state for operators and tests: engine counters, KV pool, queue lengths."""
@@ -436,13 +452,14 @@ class DSparkServer:
         keep_text = isinstance(prompt, str) and params.truncate_prompt_tokens is None
         return ids, prompt if keep_text else self.tokenizer.decode(ids)
 
-    async def _respond(self, req, req_id: str, choices: list[Choice], view, keep: int):
+    async def _respond(self, request: Request, req, req_id: str, choices: list[Choice], view, keep: int):
         """Run the choices and answer: one body, or an SSE stream. ``keep``: choices returned per prompt."""
+        id_header = {REQUEST_ID_HEADER: req_id} if request.app.state.echo_request_id else {}
         streams = ChoiceStreams(self.loop, choices, self._deadline(req))
         await streams.start()  # errors surface here, before any response is sent
         if req.stream:
             return StreamingResponse(self._sse(req, req_id, streams, view), media_type="text/event-stream",
-                                     headers=self._id_header(req_id))
+                                     headers=id_header)
         try:
             await streams.gather()
         finally:
@@ -457,10 +474,7 @@ class DSparkServer:
             "choices": [view.choice(c) for c in shown], "usage": _total_usage(choices).model_dump(),
             "speculation": Speculation.of(specs[0]).model_dump() if len(specs) == 1 else None,
         }
-        return JSONResponse(body, headers=self._id_header(req_id))
-
-    def _id_header(self, req_id: str) -> dict[str, str]:
-        return {REQUEST_ID_HEADER: req_id} if self.echo_request_id else {}
+        return JSONResponse(body, headers=id_header)
 
     async def _sse(self, req, req_id: str, streams: ChoiceStreams, view) -> AsyncIterator[str]:
         choices = streams.choices
