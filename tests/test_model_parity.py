@@ -154,10 +154,10 @@ def test_fused_projections_change_nothing_but_the_matmul_count(make_checkpoint, 
 
     architecture, overrides = CASES[case]
     folder, _ = make_checkpoint(architecture, **overrides)
-    fused = load(folder, dtype="float32")
+    fused = load(folder, dtype="float32", pack=False)  # torch's matmul: an in-place change is seen (below)
     attn = fused.model.layers[0].self_attn
     assert attn.fused_qkv is not None and fused.model.layers[0].mlp.fused_gate_up is not None
-    plain = load(folder, dtype="float32")
+    plain = load(folder, dtype="float32", pack=False)
     for layer in plain.model.layers:  # back to the per-projection path
         layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
     assert fused.state_dict().keys() == plain.state_dict().keys()
@@ -170,3 +170,40 @@ def test_fused_projections_change_nothing_but_the_matmul_count(make_checkpoint, 
         plain.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
         torch.testing.assert_close(fused(ids), plain(ids), rtol=0, atol=1e-5)
     assert SelfAttention.fused_qkv is None  # a model built without ``load`` keeps separate matmuls
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2", "llama-bias", "qwen3-bias-head-dim"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, dtype):
+    """On CPU ``load`` runs every linear (fused projections, o/down projections, the LM head) on a
+    oneDNN-prepacked copy of its weight (dspark_ray/model/cpu_gemm.py): the same logits as torch's
+    matmul up to rounding, the same state dict, and a weight changed afterwards is used again
+    only once it is packed again."""
+    from dspark_ray.model.cpu_gemm import available, pack_weights
+
+    if not available(torch.device("cpu"), getattr(torch, dtype)):
+        pytest.skip("oneDNN's prepacked linear is not available in this torch build")
+    architecture, overrides = CASES[case]
+    folder, _ = make_checkpoint(architecture, **overrides)
+    packed, plain = load(folder, dtype=dtype), load(folder, dtype=dtype, pack=False)
+    layer = packed.model.layers[0]
+    assert packed.lm_gemm is not None and layer.self_attn.o_proj.gemm is not None
+    assert layer.self_attn.fused_qkv.gemm is not None and layer.mlp.fused_gate_up.gemm is not None
+    assert plain.lm_gemm is None and plain.model.layers[0].self_attn.o_proj.gemm is None
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in plain.state_dict().items())
+    ids = torch.randint(0, packed.config.vocab_size, (3, 19), generator=torch.Generator().manual_seed(5))
+    tol = 1e-4 if dtype == "float32" else 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), plain(ids), rtol=0, atol=tol)
+        for model in (packed, plain):
+            model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        assert (packed(ids) - plain(ids)).abs().max() > tol  # the packed copy is stale ...
+        pack_weights(packed)
+        torch.testing.assert_close(packed(ids), plain(ids), rtol=0, atol=tol)  # ... until packed again
+
+
+def test_prepacking_is_a_cpu_only_choice():
+    from dspark_ray.model.cpu_gemm import available
+
+    assert not available(torch.device("cuda"), torch.float32)
+    assert not available(torch.device("cpu"), torch.float16)

@@ -110,6 +110,18 @@ def apply_rope(
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose matmul may run on a prepacked copy of its weight (``gemm``, set by
+    ``dspark_ray.model.cpu_gemm.pack_weights`` on CPU); parameters and names are nn.Linear's."""
+
+    gemm = None  # PackedGemm | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None:
+            return self.gemm(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class FusedLinears:
     """Several linears over the same input as one matmul (e.g. q/k/v): one weight, outputs split.
 
@@ -119,6 +131,8 @@ class FusedLinears:
     models of the CPU development box, op count rather than arithmetic sets
     the step time). Built after the weights are loaded (``fuse_projections``).
     """
+
+    gemm = None  # PackedGemm | None, as for Linear
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.sizes = [lin.out_features for lin in linears]
@@ -133,7 +147,8 @@ class FusedLinears:
             start += n
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        y = self.gemm(x, self.bias) if self.gemm is not None else F.linear(x, self.weight, self.bias)
+        return y.split(self.sizes, dim=-1)
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
@@ -154,10 +169,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=cfg.o_proj_bias)
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -193,9 +208,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, m = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, m, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(d, m, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(m, d, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(d, m, bias=cfg.mlp_bias)
+        self.up_proj = Linear(d, m, bias=cfg.mlp_bias)
+        self.down_proj = Linear(m, d, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
@@ -227,6 +242,8 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """Token ids in, next-token logits out; ``state_dict()`` uses HF names."""
+
+    lm_gemm = None  # PackedGemm of lm_weight | None (dspark_ray.model.cpu_gemm)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -261,10 +278,16 @@ class CausalLM(nn.Module):
             x = layer(i, x, cos, sin, attention)
         return self.model.norm(x)
 
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        """[V, hidden]: the LM head's weight, or the embedding's when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_gemm is not None:
+            return self.lm_gemm(hidden).float()
+        return F.linear(hidden, self.lm_weight).float()
 
     def forward(
         self,

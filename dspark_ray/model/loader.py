@@ -24,6 +24,7 @@ from dspark_ray.model.errors import (
     TensorShapeMismatch,
     UnsupportedDtype,
 )
+from dspark_ray.model.cpu_gemm import pack_weights
 from dspark_ray.model.llama import CausalLM, fuse_projections, rope_inv_freq
 from dspark_ray.model.tp import TensorParallel, shard, shard_slice
 
@@ -98,6 +99,7 @@ def load(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
     tp: TensorParallel | None = None,
+    pack: bool = True,
 ) -> CausalLM:
     """Load the checkpoint folder at ``path`` as an eval-mode ``CausalLM``.
 
@@ -107,6 +109,8 @@ def load(
             (the checkpoint's torch_dtype).
         device: where the weights are placed ('cpu', 'cuda', 'cuda:1', ...).
         tp: this process's tensor-parallel rank; it then reads only its slices.
+        pack: on CPU, run the linears on oneDNN-prepacked weights (``cpu_gemm``); False keeps
+            torch's own matmul.
     """
     path = Path(path)
     if not path.is_dir():
@@ -126,7 +130,8 @@ def load(
     # they carry 3 significant digits and angles drift visibly by position ~100.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     _fill_parameters(model, files, path)
-    return fuse_projections(model.eval().requires_grad_(False))
+    model = fuse_projections(model.eval().requires_grad_(False))
+    return pack_weights(model) if pack else model
 
 
 def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:

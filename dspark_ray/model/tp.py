@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_ray.model.errors import ModelLoadError
-from dspark_ray.model.llama import CausalLM
+from dspark_ray.model.llama import CausalLM, Linear
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
@@ -78,7 +78,7 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {self.rank} is outside 0..{self.world_size - 1}")
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Holds rows [rank*out/w, (rank+1)*out/w) of the weight; output stays sharded."""
 
     def __init__(self, full: nn.Linear, tp: TensorParallel) -> None:
@@ -88,7 +88,7 @@ class ColumnParallelLinear(nn.Linear):
         self.tp = tp
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Holds columns [rank*in/w, (rank+1)*in/w); partial outputs are all-reduced."""
 
     def __init__(self, full: nn.Linear, tp: TensorParallel) -> None:
@@ -98,7 +98,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.gemm(x) if self.gemm is not None else F.linear(x, self.weight)
         if self.tp.world_size > 1:
             if self.tp.timer is None:
                 dist.all_reduce(y, group=self.tp.group)
