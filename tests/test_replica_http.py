@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
@@ -28,7 +28,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from dspark_ray.engine.local import LocalServices
 from dspark_ray.serve.autoscaling import ONGOING_METRIC, POLICY_PATH, ongoing_requests_policy, with_policy
 from dspark_ray.serve.config import AppConfig
-from dspark_ray.serve.http import HTTPAddressInUse, ReplicaHTTP
+from dspark_ray.serve.http import APP_HEADER, HTTPAddressInUse, ReplicaHTTP, serving_app
 from dspark_ray.serve.server import DSparkServer
 from serve_fixtures import serve_models  # noqa: F401 - fixture
 
@@ -94,6 +94,10 @@ def streaming_app(chunks: int, gap_s: float, name: str) -> FastAPI:
     async def who():
         return {"name": name}
 
+    @api.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok"}, headers={APP_HEADER: name} if name != "foreign" else {})
+
     @api.get("/stream")
     async def stream():
         async def gen():
@@ -136,6 +140,30 @@ def test_a_port_held_by_another_program_is_a_clear_error():
         port = other.getsockname()[1]
         with pytest.raises(HTTPAddressInUse, match=f"http_port {port} on 127.0.0.1 is in use"):
             ReplicaHTTP(streaming_app(1, 0, "x"), "127.0.0.1", port)
+
+
+def test_a_port_served_by_another_application_is_refused_and_the_own_app_shares_it():
+    a = ReplicaHTTP(streaming_app(1, 0, "app-a"), "127.0.0.1", 0, app_name="app-a")
+    foreign = ReplicaHTTP(streaming_app(1, 0, "foreign"), "127.0.0.1", 0)  # shares ports, names no app
+    try:
+        assert serving_app("127.0.0.1", a.port) == "app-a" and serving_app("127.0.0.1", foreign.port) == ""
+        with pytest.raises(HTTPAddressInUse, match=f"http_port {a.port} on 127.0.0.1 is already served by "
+                                                   "application 'app-a'; give application 'app-b'"):
+            ReplicaHTTP(streaming_app(1, 0, "app-b"), "127.0.0.1", a.port, app_name="app-b")
+        with pytest.raises(HTTPAddressInUse, match="already served by another program"):
+            ReplicaHTTP(streaming_app(1, 0, "app-b"), "127.0.0.1", foreign.port, app_name="app-b")
+        again = ReplicaHTTP(streaming_app(1, 0, "app-a"), "127.0.0.1", a.port, app_name="app-a")
+        again.stop()
+        assert httpx.get(f"http://127.0.0.1:{a.port}/who", timeout=5).json()["name"] == "app-a"
+    finally:
+        a.stop()
+        foreign.stop()
+    assert serving_app("127.0.0.1", a.port) is None  # nothing left listening
+
+
+def test_the_replica_names_its_application_on_health(server):
+    r = httpx.get(f"{url(server)}/health", timeout=10)
+    assert r.status_code == 200 and r.headers[APP_HEADER] == server.app_name == "dspark"
 
 
 def test_stop_refuses_new_connections_and_lets_an_open_stream_finish():

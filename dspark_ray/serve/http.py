@@ -38,12 +38,52 @@ from dspark_ray.serve.metrics import HTTPMetrics
 log = logging.getLogger(__name__)
 
 
+# Every /health answer of a replica names its application, so that a replica about to share a
+# port can tell whether the replicas already there are its own (shared_socket's probe).
+APP_HEADER = "X-Dspark-App"
+
+
 class HTTPAddressInUse(RuntimeError):
-    """The replica's HTTP address is taken by a process that does not share it."""
+    """The replica's HTTP address is taken by a process that does not share it, or by the
+    replicas of another application."""
 
 
-def shared_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` that the replicas of this node can all bind (SO_REUSEPORT)."""
+def serving_app(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+    """The application whose replicas answer ``/health`` on ``host:port``: None if nothing listens,
+    "" if something that is no dspark_ray replica does."""
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError:
+        return None
+    with conn:
+        try:
+            conn.sendall(f"GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+        except OSError:
+            return ""
+    for line in head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == APP_HEADER.lower():
+            return value.strip()
+    return ""
+
+
+def shared_socket(host: str, port: int, app: str | None = None) -> socket.socket:
+    """A TCP socket bound to ``host:port`` that the replicas of this node can all bind (SO_REUSEPORT).
+
+    With ``app`` given, a port already served by the replicas of another application (or by
+    another program that shares ports) is refused: sharing it would hand each application some
+    of the other's connections."""
+    if app is not None and port != 0 and (other := serving_app(host, port)) not in (None, app):
+        raise HTTPAddressInUse(
+            f"http_port {port} on {host} is already served by "
+            f"{'application ' + repr(other) if other else 'another program'}; give application {app!r} "
+            "an http_port of its own")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,15 +115,16 @@ class ReplicaHTTP:
     """Serves ``app`` (an ASGI app) on ``host:port`` from a daemon thread of this process.
 
     The constructor returns once the server accepts connections; it raises
-    ``HTTPAddressInUse`` if the address cannot be had. ``stop`` closes the
+    ``HTTPAddressInUse`` if the address cannot be had (or, with ``app_name``, is
+    served by another application: ``shared_socket``). ``stop`` closes the
     listening socket first (new connections go to the node's other
     replicas), then waits up to ``grace_s`` for open responses to finish.
     """
 
     def __init__(self, app, host: str, port: int, metrics: HTTPMetrics | None = None,
-                 startup_timeout_s: float = 30.0) -> None:
+                 startup_timeout_s: float = 30.0, app_name: str | None = None) -> None:
         self.host, self.port = host, port
-        self._sock = shared_socket(host, port)
+        self._sock = shared_socket(host, port, app_name)
         self.port = self._sock.getsockname()[1]  # the port asked for, or the one given for 0
         asgi = metrics.wrap(app) if metrics is not None else app
         self._server = uvicorn.Server(uvicorn.Config(

@@ -37,7 +37,7 @@ from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
 from dspark_ray.serve.autoscaling import ONGOING_METRIC
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
-from dspark_ray.serve.http import ReplicaHTTP
+from dspark_ray.serve.http import APP_HEADER, ReplicaHTTP
 from dspark_ray.serve.metrics import HTTPMetrics, ServingMetrics, vllm_spec_decode_text
 from dspark_ray.serve.choices import Choice, ChoiceStreams, fan_out
 from dspark_ray.serve.protocol import (
@@ -193,6 +193,7 @@ class DSparkServer:
         cfg = self.config
         self.http: ReplicaHTTP | None = None
         app_name, replica = _replica_identity()
+        self.app_name = app_name
         engine_config = cfg.engine_config()
         self.tokenizer = Tokenizer.from_path(cfg.model)
         self.services = s = (services or ray_services)(cfg, app_name, replica)
@@ -202,7 +203,7 @@ class DSparkServer:
                                target_recovery_timeout_s=cfg.target_recovery_timeout_s)
         if cfg.http_port is not None:  # the replica's own listener (dspark_ray/serve/http.py says why)
             self.http = ReplicaHTTP(self.build_api(), cfg.http_host, cfg.http_port,
-                                    HTTPMetrics(cfg.model_name, replica))
+                                    HTTPMetrics(cfg.model_name, replica), app_name=app_name)
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
     def build_api(self, echo_request_id: bool = True) -> FastAPI:
@@ -247,13 +248,15 @@ class DSparkServer:
     # -- HTTP ----------------------------------------------------------------
 
     async def health(self, request: Request) -> JSONResponse:
+        app = {APP_HEADER: self.app_name}  # which application answers (http.shared_socket reads it)
         if not self.loop.alive:
             log.error("health check: the engine loop stopped: %r", self.loop.error)
-            return JSONResponse({"status": "unhealthy", "error": "the engine loop stopped"}, status_code=503)
+            return JSONResponse({"status": "unhealthy", "error": "the engine loop stopped"}, status_code=503,
+                                headers=app)
         if self.loop.engine.target_error is not None:
             return JSONResponse({"status": "unhealthy", "error": "the target failed and is being rebuilt; "
-                                 "requests in flight wait for it"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+                                 "requests in flight wait for it"}, status_code=503, headers=app)
+        return JSONResponse({"status": "ok"}, headers=app)
 
     async def models(self, request: Request) -> JSONResponse:
         try:
