@@ -96,6 +96,24 @@ def test_greedy_equals_transformers(tiny_models: TinyModels, reference, draft, w
     assert_drained(engine, len(prompts))
 
 
+@pytest.mark.parametrize("draft_dtype", ["bfloat16", "float16"])
+def test_a_draft_in_another_dtype_changes_no_token(tiny_models: TinyModels, reference, draft_dtype):
+    """draft_dtype: the draft runs in bfloat16 or float16 beside the float32 target; output is still
+    the target's own greedy output (every token is verified) and the draft is still right often
+    ("same" is the target's weights: in another dtype it is nearly always right, not always)."""
+    engine = make_engine(tiny_models.target, tiny_models.drafts["same"], num_speculative_tokens=4,
+                         draft_window=MAX_CONTEXT, capacity=8, max_context=MAX_CONTEXT, draft_dtype=draft_dtype)
+    assert next(engine.draft.model.parameters()).dtype == getattr(torch, draft_dtype)
+    assert next(engine.target.model.parameters()).dtype == torch.float32
+    prompts = prompt_set()
+    results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, res in zip(prompts, MAX_TOKENS, results):
+        assert res.token_ids == reference[tuple(prompt), n], f"prompt of {len(prompt)} tokens, max_tokens {n}"
+    spec = [r.spec for r in results]
+    assert sum(s.accepted_tokens for s in spec) / sum(s.draft_tokens for s in spec) > 0.8
+    assert_drained(engine, len(prompts))
+
+
 def test_padded_key_length_and_pinned_attention_backend(tiny_models: TinyModels, reference):
     """The target's CUDA settings, run on CPU: key lengths rounded up to 64 (capped at the
     context), masked padding keys and SDPA pinned to CUDA_ATTENTION_BACKENDS change no token."""

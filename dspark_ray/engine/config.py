@@ -23,6 +23,9 @@ class EngineConfig:
     max_num_seqs: int = 32  # requests per step
     max_num_batched_tokens: int = 4096  # target tokens fed per step
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
+    # The draft's own dtype (None: dtype). Output does not depend on it (the target verifies every
+    # token), only acceptance and the draft's speed do.
+    draft_dtype: str | None = None
     device: str = "cpu"
     # Overlap one half of the batch's draft with the other half's verification when the
     # draft and the target run in other processes (Engine docstring); no effect in process.
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ConfigError(f"capacity must be >= 1, got {self.capacity}")
         if self.max_context < 2:
             raise ConfigError(f"max_context must be >= 2, got {self.max_context}")
+        if self.draft_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"draft_dtype must be float32, bfloat16, float16, auto or None, got {self.draft_dtype!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_context + self.num_speculative_tokens:

@@ -39,7 +39,8 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
 
 
 def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:
-    model = load(config.draft, dtype=runtime_dtype(config.dtype, config.device), device=config.device)
+    dtype = config.dtype if config.draft_dtype is None else config.draft_dtype
+    model = load(config.draft, dtype=runtime_dtype(dtype, config.device), device=config.device)
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
     grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))
     return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit, grammars)
