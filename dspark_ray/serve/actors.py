@@ -269,6 +269,7 @@ class ReplicaServices:
         slot_timeout_s: float,
         call_timeout_s: float = 120.0,
         slot_capacity: int | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         slot_capacity = config.capacity if slot_capacity is None else slot_capacity
         if slot_capacity < config.capacity:
@@ -278,7 +279,7 @@ class ReplicaServices:
         self.call_timeout_s = call_timeout_s
         self.timeline = StepTimeline()  # transport vs compute of every step (GET /stats)
         self.tensor_parallel_size = tensor_parallel_size
-        self.cpus_per_shard, self.torch_threads = cpus_per_shard, torch_threads
+        self.cpus_per_shard, self.torch_threads, self.spin_s = cpus_per_shard, torch_threads, spin_s
         self._gpu = 1 if config.device == "cuda" else 0
         # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
         gpu = {"GPU": 1} if self._gpu else {}
@@ -292,7 +293,7 @@ class ReplicaServices:
             self.draft_worker = ray.remote(DraftWorker).options(
                 **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
                 max_restarts=-1, max_task_retries=0,
-            ).remote(config, torch_threads)
+            ).remote(config, torch_threads, spin_s)
             self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline)
         self.slot_manager = _slot_manager_with_capacity(slot_capacity, app_name)
         self.slots = ReplicaSlots(RaySlots(self.slot_manager, slot_timeout_s), rows=config.capacity,
@@ -311,7 +312,7 @@ class ReplicaServices:
         self.shards = [
             shard_cls.options(**self._opts(r, f"dspark:target:{self.replica}:rank{r}",
                                            self._gpu * (0.5 if r == 0 else 1)))
-            .remote(self.config, r, world, self.torch_threads, self.replica)
+            .remote(self.config, r, world, self.torch_threads, self.replica, self.spin_s)
             for r in range(world)
         ]
         addr, port = ray.get(self.shards[0].address.remote())

@@ -20,7 +20,9 @@ worker). Keep the cluster network private all the same (runbooks/security.md).
 
 Worker side: ``ChannelServer(handler)`` serves ``handler.<method>(*args)``
 on a background thread, one call at a time, replying
-``(ok, value, seconds_inside)``. Client side: ``Channel.call`` or
+``(ok, value, seconds_inside)``; or, given ``attach``, hands the accepted
+connection to a thread of the worker's own that serves it (``serve_call``):
+the workers' torch thread does, so a step runs where it is read. Client side: ``Channel.call`` or
 ``send`` + ``receive``; every wait has a deadline. A worker that died shows
 up as ``ChannelClosed`` at once (its socket closes); one that hangs as
 ``ChannelTimeout``. Both are ``ChannelError``: the caller treats them as a
@@ -29,6 +31,7 @@ failed worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import secrets
@@ -71,19 +74,19 @@ class ChannelServer:
     """Serves calls to ``handler`` over one connection, on a daemon thread.
 
     It listens until one client passes the key challenge, stops listening,
-    and serves that connection until it closes. A worker opens one server per
-    connection it is asked for. Every call goes through ``run(fn, *args)``,
-    which returns ``fn(*args)`` and the seconds ``fn`` itself took: by default
-    on this server's thread under a lock of its own; a worker passes its
-    ``TorchThread.run`` instead, so that calls from several connections and
-    the worker's Ray method calls run one at a time, on one thread.
+    and serves that connection until it closes: on this server's thread
+    under a lock of its own, or, with ``attach``, by handing the connection to
+    ``attach(conn, handler)`` (a worker's ``TorchThread.attach``: calls from
+    several connections and the worker's Ray method calls then run one at a
+    time on its torch thread, which reads each step itself). A worker opens
+    one server per connection it is asked for.
     """
 
     def __init__(self, handler: object, host: str, authkey: bytes,
-                 run: Callable[..., tuple[object, float]] | None = None) -> None:
+                 attach: Callable[[Connection, object], None] | None = None) -> None:
         self.handler = handler
         self._lock = threading.Lock()
-        self._run = run or self._run_locked
+        self._attach = attach
         self._closed = False
         self._listener = Listener((host, 0), authkey=authkey, backlog=4)
         self.address: tuple[str, int] = self._listener.address
@@ -99,34 +102,41 @@ class ChannelServer:
                     log.warning("channel: refused a connection: %r", exc)
                 continue
             self.close()
+            if self._attach is not None:
+                self._attach(conn, self.handler)
+                return
             with conn:
-                self._serve_calls(conn)
-
-    def _serve_calls(self, conn: Connection) -> None:
-        while True:
-            try:
-                method, args = conn.recv()
-            except (EOFError, OSError):
-                return
-            try:
-                value, seconds = self._run(getattr(self.handler, method), *args)
-                reply = (_OK, value, seconds)
-            except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
-                reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()), 0.0)
-            try:
-                conn.send(reply)
-            except (OSError, pickle.PicklingError) as exc:
-                log.warning("channel reply failed: %r", exc)
-                return
-
-    def _run_locked(self, fn: Callable, *args) -> tuple[object, float]:
-        with self._lock:  # the reported seconds exclude waiting for another connection's call
-            start = time.perf_counter()
-            return fn(*args), time.perf_counter() - start
+                while serve_call(conn, self.handler, self._lock):
+                    pass
 
     def close(self) -> None:
         self._closed = True
         self._listener.close()
+
+
+def serve_call(conn: Connection, handler: object, lock: threading.Lock | None = None) -> bool:
+    """Read one call from ``conn``, run ``handler.<method>(*args)``, reply ``(ok, value, seconds)``.
+
+    False once the connection is closed (the caller drops it). ``lock``: held
+    around the call, outside the seconds reported.
+    """
+    try:
+        method, args = conn.recv()
+    except (EOFError, OSError):
+        return False
+    try:
+        with lock or contextlib.nullcontext():
+            start = time.perf_counter()
+            value = getattr(handler, method)(*args)
+            reply = (_OK, value, time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
+        reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()), 0.0)
+    try:
+        conn.send(reply)
+    except (OSError, pickle.PicklingError) as exc:
+        log.warning("channel reply failed: %r", exc)
+        return False
+    return True
 
 
 class Channel:

@@ -6,21 +6,23 @@ placement group. Set-up goes through Ray method calls; the per-step path
 replica opens with ``open_channel`` (``dspark_ray.serve.channel`` says why).
 
 All of a worker's torch work, from loading the model to every step, runs on
-one thread of its own (``TorchThread``), whichever thread the request came in
-on (Ray's for method calls, the channel's for steps). Measured on the 2-core
+one thread of its own (``TorchThread``): Ray's method calls are handed to it,
+and it reads the steps from its channels itself. Measured on the 2-core
 development box with 2 torch threads: the same engine steps run 1.6-1.8x
 slower when a second thread drives torch's OpenMP pool in a process whose
-other thread already used it; so every call is handed to that one thread,
-which also serialises them.
+other thread already used it; one thread also serialises the calls.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import ray
@@ -29,17 +31,30 @@ import torch
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.model.tp import CollectiveTimer
-from dspark_ray.serve.channel import ChannelServer
+from dspark_ray.serve.channel import ChannelServer, serve_call
 from dspark_ray.serve.group import join_group, rendezvous_address
 from dspark_ray.serve.metrics import ShardMetrics
 from dspark_ray.tokenizer import Tokenizer
 
 
 class TorchThread:
-    """The one thread that runs a worker's torch calls, one at a time, in arrival order."""
+    """The one thread that runs a worker's torch calls, one at a time, in arrival order.
 
-    def __init__(self, torch_threads: int, name: str = "dspark-torch") -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    Its calls are the worker's Ray method calls (``run``) and the steps on its
+    channels (``attach``): it reads a channel's call and runs it itself, so a
+    step costs no hand-off between threads (on the 2-core development box a
+    hand-off and the wake-up of a sleeping thread cost each step about a
+    millisecond, and the step itself ran slower on a cold core). Between
+    calls it waits ``spin_s`` polling (yielding the core to anyone who wants
+    it) before it sleeps: a step that comes soon finds it awake.
+    """
+
+    def __init__(self, torch_threads: int, name: str = "dspark-torch", spin_s: float = 0.0) -> None:
+        self.spin_s = spin_s
+        self._jobs: collections.deque = collections.deque()
+        self._wake_read, self._wake_write = socket.socketpair()  # a job is waiting: one byte
+        self._wake_read.setblocking(False)
+        self._channels: dict[int, tuple[Connection, object]] = {}  # fileno -> (connection, handler)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         self.call(torch.set_num_threads, torch_threads)
@@ -47,15 +62,45 @@ class TorchThread:
     def run(self, fn: Callable, *args) -> tuple[object, float]:
         """``fn(*args)`` on the torch thread, and the seconds it took there (not counting the wait)."""
         done: Future = Future()
-        self._jobs.put((fn, args, done))
+        self._jobs.append((fn, args, done))
+        self._wake_write.send(b"\0")
         return done.result()
 
     def call(self, fn: Callable, *args):
         return self.run(fn, *args)[0]
 
+    def attach(self, conn: Connection, handler: object) -> None:
+        """Serve ``conn``'s calls to ``handler`` on the torch thread from now on (until it closes)."""
+        self.call(self._channels.__setitem__, conn.fileno(), (conn, handler))
+
     def _loop(self) -> None:
         while True:
-            fn, args, done = self._jobs.get()
+            for ready in self._wait():
+                if ready is self._wake_read:
+                    self._run_jobs()
+                    continue
+                conn, handler = self._channels[ready.fileno()]
+                if not serve_call(conn, handler):
+                    del self._channels[conn.fileno()]
+                    conn.close()
+
+    def _wait(self) -> list:
+        waiting = [self._wake_read, *(conn for conn, _ in self._channels.values())]
+        ready = wait(waiting, timeout=0)
+        deadline = time.perf_counter() + self.spin_s
+        while not ready and time.perf_counter() < deadline:
+            os.sched_yield()
+            ready = wait(waiting, timeout=0)
+        return ready or wait(waiting)
+
+    def _run_jobs(self) -> None:
+        try:
+            while self._wake_read.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._jobs:
+            fn, args, done = self._jobs.popleft()
             start = time.perf_counter()
             try:
                 value = fn(*args)
@@ -68,20 +113,20 @@ class TorchThread:
 class _ChannelWorker:
     """Opens channels for the replica (one per call of ``open_channel``); owns the torch thread."""
 
-    def __init__(self, torch_threads: int) -> None:
-        self.torch = TorchThread(torch_threads)
+    def __init__(self, torch_threads: int, spin_s: float = 0.0) -> None:
+        self.torch = TorchThread(torch_threads, spin_s=spin_s)
 
     def open_channel(self, authkey: bytes) -> tuple[str, int]:
         """Listen for one connection on this node's IP; returns the address to connect to."""
-        return ChannelServer(self, ray.util.get_node_ip_address(), authkey, self.torch.run).address
+        return ChannelServer(self, ray.util.get_node_ip_address(), authkey, self.torch.attach).address
 
 
 class TargetShard(_ChannelWorker):
     """Rank ``rank`` of the target: its shard of the weights, its KV pool, its table."""
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int,
-                 replica: str = "") -> None:
-        super().__init__(torch_threads)
+                 replica: str = "", spin_s: float = 0.0) -> None:
+        super().__init__(torch_threads, spin_s)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
         self.collectives = CollectiveTimer()
@@ -125,10 +170,10 @@ class TargetShard(_ChannelWorker):
 class DraftWorker(_ChannelWorker):
     """The draft model, its window cache and kernels."""
 
-    def __init__(self, config: EngineConfig, torch_threads: int) -> None:
+    def __init__(self, config: EngineConfig, torch_threads: int, spin_s: float = 0.0) -> None:
         from dspark_ray.engine.local import make_draft_proposer
 
-        super().__init__(torch_threads)
+        super().__init__(torch_threads, spin_s)
         self.proposer = self.torch.call(make_draft_proposer, config, Tokenizer.from_path(config.model).vocab_size)
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
