@@ -126,3 +126,35 @@ def test_a_killed_worker_fails_the_gather_at_once_while_another_hangs():
     finally:
         hung.close()
         dying.kill()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05])
+def test_the_torch_thread_serves_its_channels_and_jobs_on_one_thread(spin_s):
+    """A worker's TorchThread reads its channels' calls itself (no hand-off) and runs Ray's method calls
+    in between, all on the one thread; a closed channel is dropped and the rest keep serving."""
+    from dspark_ray.serve.workers import TorchThread
+
+    class Where(Handler):
+        def thread(self) -> int:
+            return threading.get_ident()
+
+    torch_thread = TorchThread(1, spin_s=spin_s)
+    key = new_key()
+    handler = Where()
+    servers = [ChannelServer(handler, "127.0.0.1", key, attach=torch_thread.attach) for _ in range(2)]
+    a, b = (Channel(s.address, key, f"w{i}") for i, s in enumerate(servers))
+    assert a.call("add", 2, 3, timeout_s=5)[0] == 5
+    ident = a.call("thread", timeout_s=5)[0]
+    assert b.call("thread", timeout_s=5)[0] == ident == torch_thread.call(threading.get_ident)
+    b.send("sleep", 0.2)  # a job submitted while the call runs waits for it, on the same thread
+    time.sleep(0.05)
+    start = time.monotonic()
+    assert torch_thread.call(threading.get_ident) == ident
+    assert time.monotonic() - start >= 0.1 and b.receive(5)[0] == "woke"
+    a.close()
+    time.sleep(0.1 + spin_s)
+    assert b.call("add", 1, 1, timeout_s=5)[0] == 2  # the closed channel went, the other serves on
+    with pytest.raises(RemoteError, match="ValueError: bad slot 7"):
+        b.call("fail", timeout_s=5)
+    assert torch_thread.call(lambda: 7) == 7
+    b.close()

@@ -403,5 +403,5 @@ def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
         tensor_parallel_size=config.tensor_parallel_size, placement_strategy=config.placement_strategy,
         cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
         slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
-        slot_capacity=config.capacity,
+        slot_capacity=config.capacity, spin_s=config.worker_spin_s,
     )

@@ -98,6 +98,11 @@ class AppConfig(BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads in each shard and the proposer.")
+    worker_spin_s: float = Field(
+        0.0, ge=0, le=1, description="After a step, each target shard and the draft worker poll for the next "
+        "one this long (yielding the core) before they sleep: a step that comes soon finds them awake, at the "
+        "cost of CPU while idle. 0: sleep at once.",
+    )
     slot_admission_timeout_s: float = Field(
         30.0, gt=0, description="How long admissions wait for the slot manager during an outage."
     )
