@@ -70,7 +70,7 @@ def check_speculation(spec: dict | None, completion_tokens: int) -> None:
                          "mean_acceptance_length", "steps_by_k"}
     assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
     assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
-    # Adaptive speculation chose each step's k (0 included): steps_by_k accounts for every draft.
+    # Each step's k (adaptive or fixed; 0 included): steps_by_k accounts for every draft.
     by_k = spec["steps_by_k"]
     assert by_k and len(by_k) <= 5 and sum(by_k[1:]) == spec["drafts"]
     assert sum(k * n for k, n in enumerate(by_k)) == spec["draft_tokens"]
