@@ -201,12 +201,15 @@ async def _bad_request(client: httpx.AsyncClient, totals: ClientTotals):
     totals.bad_status.append(reply.status_code)
 
 
-async def send_traffic(base_url: str, model: str) -> ClientTotals:
+async def send_traffic(base_url: str, proxy_url: str, model: str) -> ClientTotals:
     """More requests than slots, long enough that two of them overflow the KV pool (preemption);
     then two prompts sharing a prefix longer than the step's token budget, one after the other
-    (chunked prefill, and the second finds the first's blocks in the prefix cache)."""
+    (chunked prefill, and the second finds the first's blocks in the prefix cache). Most go to
+    the replica's own HTTP server (``base_url``, as the shipped YAML serves), the shared-prefix
+    pair and one bad request through Serve's proxy (``proxy_url``): both paths' metrics appear."""
     totals = ClientTotals()
-    async with httpx.AsyncClient(base_url=base_url, timeout=180) as client:
+    async with (httpx.AsyncClient(base_url=base_url, timeout=180) as client,
+                httpx.AsyncClient(base_url=proxy_url, timeout=180) as proxied):
         await asyncio.gather(
             _complete(client, model, PROMPTS[0], 100, totals, ignore_eos=True),
             _complete(client, model, PROMPTS[1], 100, totals, ignore_eos=True),
@@ -215,9 +218,10 @@ async def send_traffic(base_url: str, model: str) -> ClientTotals:
             _complete(client, model, PROMPTS[4], 20, totals),
             _chat(client, model, 24, totals),
             _bad_request(client, totals),
+            _bad_request(proxied, totals),
         )
         for ending in ("ROMEO:", "JULIET:"):
-            await _complete(client, model, SHARED_PREFIX + ending, 8, totals)
+            await _complete(proxied, model, SHARED_PREFIX + ending, 8, totals)
     return totals
 
 
@@ -271,15 +275,16 @@ def stack(serve_models, tmp_path_factory):  # noqa: F811 - the fixture imported 
         prometheus = Prometheus(binary, discovery, folder)
         from dspark_ray.serve.app import build_app
 
-        port = free_port()
+        port, direct = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({
             "model": str(serve_models.target), "draft": str(serve_models.draft), "tensor_parallel_size": 2,
             "num_speculative_tokens": K, "capacity": 2, "max_num_seqs": 4, "max_context": MAX_CONTEXT,
             "kv_pool_tokens": MAX_CONTEXT + K, "cpus_per_shard": 0.25, "max_num_batched_tokens": BUDGET,
+            "http_port": direct,
         }), name=APP, route_prefix="/")
-        s = Stack(prometheus, asyncio.run(send_traffic(f"http://127.0.0.1:{port}", serve_models.name)),
-                  serve_models.name)
+        traffic = send_traffic(f"http://127.0.0.1:{direct}", f"http://127.0.0.1:{port}", serve_models.name)
+        s = Stack(prometheus, asyncio.run(traffic), serve_models.name)
         # A late retry of a release: the slot manager counts it as stale and frees nothing.
         manager = slot_manager(APP)
         assert ray.get(manager.release_many.remote([("never-allocated", None)])) == [False]
@@ -305,7 +310,18 @@ def stack(serve_models, tmp_path_factory):  # noqa: F811 - the fixture imported 
 
 def test_traffic_went_through(stack):
     assert stack.totals.ok == 8
-    assert stack.totals.bad_status == [400]
+    assert stack.totals.bad_status == [400, 400]
+
+
+def test_http_requests_the_replica_served_itself_are_counted(stack):
+    """dspark_http_requests: the 6 good requests and the bad one sent to the replica's own server
+    (the 2 + 1 through Serve's proxy are Serve's to count)."""
+    v = stack.value
+    wait_until(lambda: (v('sum(ray_dspark_http_requests_total{status_code="200"})') == 6, v), 30, "HTTP counts")
+    assert v('sum(ray_dspark_http_requests_total{status_code="400", route="/v1/completions"})') == 1
+    assert v('sum(ray_dspark_http_requests_total{route="/v1/chat/completions"})') == 1
+    assert v("sum(ray_serve_num_http_requests_total)") >= 3
+    assert v("sum(ray_dspark_http_request_latency_seconds_count)") == 7
     assert stack.totals.drafts > 0, "speculation never ran"
 
 

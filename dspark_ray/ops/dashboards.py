@@ -75,7 +75,7 @@ def percentiles(metric: str, labels: str = MODEL, by: str = "", scale: str = "")
 SERVING = Dashboard(
     uid="dspark-serving",
     title="dspark / Serving",
-    description="Traffic, latency percentiles and errors of the dspark_ray engine loops and the Serve HTTP proxy.",
+    description="Traffic, latency percentiles and errors of the dspark_ray engine loops and their HTTP servers.",
     variable="model",
     rows=(
         Row("Traffic", (
@@ -119,21 +119,31 @@ SERVING = Dashboard(
                   description="Per token: a step that emits several tokens shares its gap among them."),
             Panel("End-to-end request latency", percentiles("ray_dspark_e2e_request_latency_seconds"), unit="s",
                   width=8),
-            Panel("HTTP latency at the Serve proxy", percentiles("ray_serve_http_request_latency_ms", labels="",
-                                                                  scale=" / 1000"), unit="s", width=24),
+            Panel("HTTP latency at the replicas' own servers (http_port)",
+                  percentiles("ray_dspark_http_request_latency_seconds"), unit="s", width=12,
+                  description="Arrival to the last byte, streams included (dspark_ray/serve/http.py)."),
+            Panel("HTTP latency at the Serve proxy (http_port: null)",
+                  percentiles("ray_serve_http_request_latency_ms", labels="", scale=" / 1000"), unit="s", width=12),
         )),
         Row("Errors", (
             Panel("HTTP responses per second, by status code", (
-                q(f"sum by (status_code) (rate(ray_serve_num_http_requests_total[{RATE}]))", "{{status_code}}"),),
+                q(f"sum by (status_code) (rate(ray_dspark_http_requests_total{MODEL}[{RATE}]))",
+                  "{{status_code}} (replicas)"),
+                q(f"sum by (status_code) (rate(ray_serve_num_http_requests_total[{RATE}]))",
+                  "{{status_code}} (Serve proxy)"),),
                 unit="reqps"),
             Panel("HTTP errors per second, by code and route", (
+                q(f'sum by (status_code, route) (rate(ray_dspark_http_requests_total{{model=~"$model", '
+                  f'status_code=~"[45].."}}[{RATE}]))', "{{status_code}} {{route}} (replicas)"),
                 q(f"sum by (error_code, route) (rate(ray_serve_num_http_error_requests_total[{RATE}]))",
-                  "{{error_code}} {{route}}"),),
+                  "{{error_code}} {{route}} (Serve proxy)"),),
                 unit="reqps", description="4xx: bad input (no state changed); 503: overloaded, no slots, engine "
                 "dead (see Retry-After)."),
             Panel("HTTP error ratio", (
+                q(f'sum(rate(ray_dspark_http_requests_total{{model=~"$model", status_code=~"[45].."}}[{RATE}])) / '
+                  f"sum(rate(ray_dspark_http_requests_total{MODEL}[{RATE}]))", "errors / requests (replicas)"),
                 q(f"sum(rate(ray_serve_num_http_error_requests_total[{RATE}])) / "
-                  f"sum(rate(ray_serve_num_http_requests_total[{RATE}]))", "errors / requests"),),
+                  f"sum(rate(ray_serve_num_http_requests_total[{RATE}]))", "errors / requests (Serve proxy)"),),
                 unit="percentunit"),
             Panel("Requests ended by abort or error", (
                 q(f'sum by (reason) (rate(ray_dspark_requests_finished_total{{model=~"$model", '
