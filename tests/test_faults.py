@@ -16,6 +16,7 @@ mid-generation with ``ray.kill`` and checks what the issue asks:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -25,7 +26,7 @@ import ray
 
 from dspark_ray.engine import Engine, EngineConfig, SamplingParams
 from dspark_ray.engine.local import build_local_engine
-from dspark_ray.serve.actors import ReplicaServices
+from dspark_ray.serve.actors import ReplicaServices, WorkerTimeout
 from dspark_ray.tokenizer import Tokenizer
 from serve_fixtures import OBJECT_STORE_BYTES, serve_models  # noqa: F401 - fixture
 
@@ -135,6 +136,58 @@ def test_target_shard_dies_no_request_is_lost(replica, reference):
     assert snapshot(services).in_use == len(ids)
 
     engine.reset_target(services.rebuild_target())
+    rest = run_all(engine, ids)
+    assert [tokens[i] + r for i, r in zip(ids, rest)] == reference
+    snap = snapshot(services)
+    assert snap.in_use == 0 and snap.counters.allocations == snap.counters.releases
+
+
+@pytest.fixture
+def replica_with_short_deadline(local_ray, serve_models, request):
+    name = request.node.name.replace("[", "-").replace("]", "")
+    config = EngineConfig(model=str(serve_models.target), draft=str(serve_models.draft), num_speculative_tokens=4,
+                          capacity=8, max_context=128, max_num_seqs=8)
+    services = ReplicaServices(config, app_name=name, replica=name, tensor_parallel_size=2,
+                               placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1, slot_timeout_s=30,
+                               step_timeout_floor_s=1.0, step_timeout_factor=10.0)
+    engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target, services.draft,
+                    owner=name)
+    try:
+        yield services, engine
+    finally:
+        services.shutdown()
+        ray.kill(services.slot_manager, no_restart=True)
+
+
+def test_a_hung_target_shard_is_caught_by_the_step_deadline(replica_with_short_deadline, reference):
+    """A tensor-parallel rank stopped (SIGSTOP: alive, never answering; its peer waits in the
+    all-reduce) mid-generation: once the step deadline has learned the step times, the stalled step
+    fails within it (not after worker_call_timeout_s, 120 s), is counted, and is handled as a crash:
+    the target is rebuilt and every request completes with exactly its reference tokens."""
+    services, engine = replica_with_short_deadline
+    ids = [engine.add_request(p, GREEDY, f"h{i}") for i, p in enumerate(PROMPTS)]
+    tokens = {i: [] for i in ids}
+    pid = ray.get(services.shards[1].__ray_call__.remote(lambda self: os.getpid()))
+    stopped_at = None
+    try:
+        for _ in range(200):
+            if stopped_at is None and services.target_deadline.measured:
+                os.kill(pid, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            for out in engine.step():
+                assert not out.finished, f"{out.req_id} ended with the target"
+                tokens[out.req_id] += out.new_token_ids
+            if engine.target_error is not None:
+                break
+        assert stopped_at is not None, "the requests ended before the deadline had measured enough steps"
+        detected_s = time.monotonic() - stopped_at
+        assert isinstance(engine.target_error, WorkerTimeout), repr(engine.target_error)
+        assert detected_s < 10, f"the stall took {detected_s:.1f} s to detect"
+        assert services.timeouts.counts == {"target": 1}
+        engine.reset_target(services.rebuild_target())  # kills the stopped shard too
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
     rest = run_all(engine, ids)
     assert [tokens[i] + r for i, r in zip(ids, rest)] == reference
     snap = snapshot(services)

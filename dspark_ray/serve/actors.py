@@ -24,7 +24,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
-from dspark_ray.serve.channel import Channel, ChannelError, encode, gather, new_key
+from dspark_ray.serve.channel import Channel, ChannelError, ChannelTimeout, encode, gather, new_key
+from dspark_ray.serve.deadline import StepDeadline
 from dspark_ray.serve.timeline import StepTimeline
 from dspark_ray.serve.workers import DraftWorker, TargetShard
 from dspark_ray.slots import (
@@ -49,6 +50,36 @@ class SlotServiceUnavailable(RuntimeError):
 
 class DraftUnavailable(RuntimeError):
     """The draft worker is down or restarting; the engine runs this step without speculation."""
+
+
+class WorkerTimeout(ChannelTimeout):
+    """A worker did not answer a step within its deadline (``StepDeadline``): hung, wedged in a
+    collective, or unreachable. Handled as a crash of that worker."""
+
+    def __init__(self, worker: str, limit_s: float) -> None:
+        super().__init__(f"the {worker} did not answer a step within {limit_s:.1f} s (hung, wedged in a "
+                         "collective, or unreachable)")
+        self.worker, self.limit_s = worker, limit_s
+
+
+class WorkerTimeouts:
+    """Steps a worker let pass their deadline, per worker kind (``stats()``, ``dspark_worker_timeouts``)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._counter = None
+
+    def add(self, worker: str) -> None:
+        self.counts[worker] = self.counts.get(worker, 0) + 1
+        try:
+            if self._counter is None:
+                from ray.util.metrics import Counter
+
+                self._counter = Counter("dspark_worker_timeouts", "Per-step calls a worker did not answer "
+                                        "within its deadline (then handled as a crash).", tag_keys=("worker",))
+            self._counter.inc(tags={"worker": worker})
+        except Exception:  # noqa: BLE001 - metrics must not fail the recovery
+            log.debug("recording a worker timeout failed", exc_info=True)
 
 
 def open_channel(actor, name: str, timeout_s: float) -> Channel:
@@ -85,11 +116,17 @@ class RayTarget:
     """
 
     def __init__(self, kv_capacity: int, channels: list[Channel], call_timeout_s: float,
-                 timeline: StepTimeline | None = None) -> None:
+                 timeline: StepTimeline | None = None, deadline: StepDeadline | None = None,
+                 timeouts: WorkerTimeouts | None = None) -> None:
         self.channels = channels
         self._kv_capacity = kv_capacity
         self.call_timeout_s = call_timeout_s
         self.timeline = timeline
+        # A step's deadline follows the steps the shards answered lately (deadline.py); a rebuilt
+        # target gets the same one, with its history.
+        self.deadline = deadline or StepDeadline(call_timeout_s, floor_s=call_timeout_s)
+        self.timeouts = timeouts or WorkerTimeouts()
+        self._last_reply = 0.0  # when the last step's replies were read (a step sent before it waited its turn)
 
     def kv_capacity(self) -> int:
         return self._kv_capacity
@@ -107,7 +144,17 @@ class RayTarget:
 
     def _step_result(self, start: float) -> VerifyResult:
         waited = _replies_pending(self.channels)
-        replies = gather(self.channels, self.call_timeout_s)
+        # A step sent while the one before was still running (pipelined steps) starts when that
+        # one's replies were read: its deadline and its transport count from then.
+        begin = max(start, self._last_reply)
+        limit = self.deadline.timeout_s()
+        try:
+            replies = gather(self.channels, max(0.0, limit - (time.perf_counter() - begin)))
+        except ChannelTimeout as exc:
+            self.timeouts.add("target")
+            raise WorkerTimeout("target", limit) from exc
+        self.deadline.observe(max(seconds for _, seconds in replies))
+        now = self._last_reply = time.perf_counter()
         results = [result for (result, _), _ in replies]
         if any(r != results[0] for r in results[1:]):
             raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
@@ -116,7 +163,7 @@ class RayTarget:
             self.timeline.add("target.compute", compute)
             self.timeline.add("target.collective", replies[0][0][1])
             if waited:
-                self.timeline.add("target.transport", time.perf_counter() - start - compute)
+                self.timeline.add("target.transport", max(0.0, now - begin - compute))
         return results[0]
 
     def release(self, slots: list[int]) -> None:
@@ -140,10 +187,13 @@ class RayDraft:
     the step, until the restarted worker has answered a new ``open_channel``.
     """
 
-    def __init__(self, worker, call_timeout_s: float, timeline: StepTimeline | None = None) -> None:
+    def __init__(self, worker, call_timeout_s: float, timeline: StepTimeline | None = None,
+                 deadline: StepDeadline | None = None, timeouts: WorkerTimeouts | None = None) -> None:
         self.worker = worker
         self.call_timeout_s = call_timeout_s
         self.timeline = timeline
+        self.deadline = deadline or StepDeadline(call_timeout_s, floor_s=call_timeout_s)
+        self.timeouts = timeouts or WorkerTimeouts()
         self._key = new_key()
         self._channel: Channel | None = None
         self._opening = None  # ObjectRef of a pending open_channel call
@@ -167,11 +217,21 @@ class RayDraft:
 
     def _proposal(self, channel: Channel, start: float) -> Proposal:
         waited = _replies_pending([channel])
+        limit = self.deadline.timeout_s()
         try:
-            proposal, compute = channel.receive(self.call_timeout_s)
+            proposal, compute = channel.receive(max(0.0, limit - (time.perf_counter() - start)))
+        except ChannelTimeout as exc:
+            # A hung worker would hang every later call too: Ray restarts it (max_restarts=-1);
+            # meanwhile the steps run without drafts.
+            self._drop(channel)
+            self.timeouts.add("draft")
+            log.error("the draft worker did not answer within %.1f s; restarting it", limit)
+            ray.kill(self.worker, no_restart=False)
+            raise WorkerTimeout("draft", limit) from exc
         except ChannelError:
             self._drop(channel)
             raise
+        self.deadline.observe(compute)
         if self.timeline is not None:
             self.timeline.add("draft.compute", compute)
             if waited:
@@ -270,6 +330,8 @@ class ReplicaServices:
         call_timeout_s: float = 120.0,
         slot_capacity: int | None = None,
         spin_s: float = 0.0,
+        step_timeout_floor_s: float = 5.0,
+        step_timeout_factor: float = 10.0,
     ) -> None:
         slot_capacity = config.capacity if slot_capacity is None else slot_capacity
         if slot_capacity < config.capacity:
@@ -278,6 +340,12 @@ class ReplicaServices:
         self.config, self.replica = config, replica
         self.call_timeout_s = call_timeout_s
         self.timeline = StepTimeline()  # transport vs compute of every step (GET /stats)
+        # Per-step deadlines from the steps answered lately (deadline.py), one per kind of worker;
+        # kept here, so that a rebuilt target starts from what the old one measured.
+        floor = min(step_timeout_floor_s, call_timeout_s)
+        self.target_deadline = StepDeadline(call_timeout_s, floor, step_timeout_factor)
+        self.draft_deadline = StepDeadline(call_timeout_s, floor, step_timeout_factor)
+        self.timeouts = WorkerTimeouts()
         self.tensor_parallel_size = tensor_parallel_size
         self.cpus_per_shard, self.torch_threads, self.spin_s = cpus_per_shard, torch_threads, spin_s
         self._gpu = 1 if config.device == "cuda" else 0
@@ -294,7 +362,8 @@ class ReplicaServices:
                 **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
                 max_restarts=-1, max_task_retries=0,
             ).remote(config, torch_threads, spin_s)
-            self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline)
+            self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline, self.draft_deadline,
+                                  self.timeouts)
         self.slot_manager = _slot_manager_with_capacity(slot_capacity, app_name)
         self.slots = ReplicaSlots(RaySlots(self.slot_manager, slot_timeout_s), rows=config.capacity,
                                   app_capacity=slot_capacity)
@@ -318,7 +387,8 @@ class ReplicaServices:
         addr, port = ray.get(self.shards[0].address.remote())
         capacities = ray.get([s.setup.remote(addr, port) for s in self.shards])
         channels = [open_channel(s, f"target rank {r}", self.call_timeout_s) for r, s in enumerate(self.shards)]
-        return RayTarget(min(capacities), channels, self.call_timeout_s, self.timeline)
+        return RayTarget(min(capacities), channels, self.call_timeout_s, self.timeline, self.target_deadline,
+                         self.timeouts)
 
     def rebuild_target(self) -> RayTarget:
         """Replace every target shard with a fresh one (empty KV, a new group)."""
@@ -404,4 +474,5 @@ def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
         cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
         slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
         slot_capacity=config.capacity, spin_s=config.worker_spin_s,
+        step_timeout_floor_s=config.step_timeout_floor_s, step_timeout_factor=config.step_timeout_factor,
     )

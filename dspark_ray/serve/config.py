@@ -98,6 +98,15 @@ class AppConfig(BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads in each shard and the proposer.")
+    step_timeout_factor: float = Field(
+        10.0, ge=1, description="A worker that has not answered a step within this many times the slowest of "
+        "its last 64 steps (and at least step_timeout_floor_s, at most worker_call_timeout_s) is handled as "
+        "crashed: a hung shard or a wedged collective is replaced and the requests resume (dspark_ray/serve/"
+        "deadline.py).",
+    )
+    step_timeout_floor_s: float = Field(
+        5.0, gt=0, description="The shortest per-step deadline (step_timeout_factor).",
+    )
     worker_spin_s: float = Field(
         0.0, ge=0, le=1, description="After a step, each target shard and the draft worker poll for the next "
         "one this long (yielding the core) before they sleep: a step that comes soon finds them awake, at the "
@@ -107,8 +116,9 @@ class AppConfig(BaseModel):
         30.0, gt=0, description="How long admissions wait for the slot manager during an outage."
     )
     worker_call_timeout_s: float = Field(
-        120.0, gt=0, description="Deadline for one step's call to a target shard or the draft worker; a worker "
-        "that has not answered by then is treated as failed (the target is rebuilt, the draft skipped).",
+        120.0, gt=0, description="The longest deadline for one step's call to a target shard or the draft "
+        "worker, and the deadline until a few steps have been measured (then step_timeout_factor decides); a "
+        "worker that has not answered by then is treated as failed (the target is rebuilt, the draft restarted).",
     )
     request_timeout_s: float | None = Field(
         None, gt=0, description="End a request still unfinished this many seconds after it arrived (504 "

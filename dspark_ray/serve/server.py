@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput, SamplingParams
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
 from dspark_ray.engine.request import ErrorCode
-from dspark_ray.serve.actors import SlotServiceUnavailable, ray_services
+from dspark_ray.serve.actors import SlotServiceUnavailable, WorkerTimeout, ray_services
 from dspark_ray.serve.autoscaling import ONGOING_METRIC
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
@@ -253,9 +253,11 @@ class DSparkServer:
             log.error("health check: the engine loop stopped: %r", self.loop.error)
             return JSONResponse({"status": "unhealthy", "error": "the engine loop stopped"}, status_code=503,
                                 headers=app)
-        if self.loop.engine.target_error is not None:
-            return JSONResponse({"status": "unhealthy", "error": "the target failed and is being rebuilt; "
-                                 "requests in flight wait for it"}, status_code=503, headers=app)
+        failure = self.loop.engine.target_error
+        if failure is not None:
+            what = str(failure) if isinstance(failure, WorkerTimeout) else "the target failed"
+            return JSONResponse({"status": "unhealthy", "error": f"{what}; it is being rebuilt and the requests in "
+                                 "flight wait for it"}, status_code=503, headers=app)
         return JSONResponse({"status": "ok"}, headers=app)
 
     async def models(self, request: Request) -> JSONResponse:
@@ -392,6 +394,7 @@ class DSparkServer:
             "draft_failures": engine.counters.draft_failures,
             "target_failures": engine.counters.target_failures,
             "resumed_after_target_failure": engine.counters.resumed_after_target_failure,
+            "worker_timeouts": dict(getattr(getattr(self.services, "timeouts", None), "counts", {})),
             # Cumulative seconds per phase (dspark_ray.serve.timeline): diff two reads for ms per step.
             "timeline": {**self.loop.timeline.snapshot(), **services_timeline(self.services)},
         }
