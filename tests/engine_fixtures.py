@@ -169,17 +169,13 @@ class ThreadedService:
 
     It gives an in-process engine what the Ray facades give it (a call sent now
     and collected later), so the pipelined engine runs, really overlapped,
-    without a cluster. Every call's (name, start, end) is kept in ``calls``, and
-    the order in which the engine sent calls and collected their replies in
-    ``events`` (("send" | "collect", name, call number)); ``fail_on`` maps a
-    method name to the call numbers (1-based) that raise.
+    without a cluster. Every call's (name, start, end) is kept in ``calls``;
+    ``fail_on`` maps a method name to the call numbers (1-based) that raise.
     """
 
     def __init__(self, inner, fail_on: dict[str, set[int]] | None = None) -> None:
         self.inner = inner
         self.calls: list[tuple[str, float, float]] = []
-        self.events: list[tuple[str, str, int]] = []
-        self._sent: dict[str, int] = {}
         self.fail_on = fail_on or {}
         self._counts: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=1)
@@ -197,29 +193,11 @@ class ThreadedService:
         finally:
             self.calls.append((name, start, time.perf_counter()))
 
-    def _send(self, name: str, *args) -> _Logged:
-        n = self._sent[name] = self._sent.get(name, 0) + 1
-        self.events.append(("send", name, n))
-        return _Logged(self._pool.submit(self._run, name, *args), self.events, name, n)
-
     def propose_async(self, rows):
-        return self._send("propose", rows)
+        return self._pool.submit(self._run, "propose", rows)
 
     def step_async(self, batch):
-        return self._send("step", batch)
-
-
-class _Logged:
-    """A ``ThreadedService`` call's future that notes when the engine collects its reply."""
-
-    def __init__(self, future, events: list, name: str, n: int) -> None:
-        self.future, self.events, self.name, self.n = future, events, name, n
-
-    def result(self):
-        try:
-            return self.future.result()
-        finally:
-            self.events.append(("collect", self.name, self.n))
+        return self._pool.submit(self._run, "step", batch)
 
 
 def make_pipelined_engine(target: Path, draft: Path, fail_on: dict[str, set[int]] | None = None,

@@ -35,28 +35,19 @@ produce exactly what they would have.
 NOTE: pipelined steps. When the draft and the target run in other processes
 (services with ``propose_async``/``step_async``: the Ray actors), the draft
 would idle while the target verifies and the target while the draft
-proposes. A pipelined engine keeps the batch in two halves, and each
-verification is sent to the target as soon as its half is drafted: every
-``step`` schedules, leases and samples one half, has it drafted while the
-target verifies the other half (sent in the previous step), sends its
-verification to the target at once, queued behind the one in flight, and
-only then collects and commits the other half. The target therefore goes
-from one half's verification straight to the next, never waiting for the
-engine to commit, schedule or send; the draft's next work always waits for a
-commit (it drafts from the accepted tokens). A request is in at most one call
-at a time, so its draft and target lengths are always those its last commit
-left; it speculates and samples exactly as in the sequential engine
-(randomness is a function of seed and position), so output is the same. A
-request is not preempted while its verification is in flight (its KV need is
-held for it); one that ends meanwhile (abort, deadline) is skipped when the
-verification is committed, and its KV is freed by the next target call, which
-the target reads after the one in flight (the engine never sends a call of
-its own, such as a release, past a verification in flight). So between steps
-one verification may be in flight (``_in_flight``); ``has_unfinished`` stays
-true until it is collected. New requests join the half being drafted; the
-halves are balanced (neither takes more than half of the runnable requests),
-and with a single request the steps simply alternate between drafting (and
-sending) and collecting it.
+proposes. A pipelined engine keeps the batch in two halves and every ``step``
+does both at once: it verifies the half drafted in the previous step while
+it drafts the other half (scheduled, leased and sampled now), then commits
+the verified half. A request is in at most one call at a time, so its
+draft and target lengths are always those its last commit left; it
+speculates and samples exactly as in the sequential engine (randomness is
+a function of seed and position), so output is the same. A drafted request
+is not preempted before its verification (its KV need is held for it), and
+one that ends in between (abort) is dropped from the verification. Both
+calls are always collected before ``step`` returns, so between steps nothing
+is in flight. New requests join the half being drafted; the halves are
+balanced (neither takes more than half of the runnable requests), and with a
+single request the steps simply alternate between drafting and verifying it.
 """
 
 from __future__ import annotations
@@ -115,20 +106,15 @@ class StepTimings:
 
 
 @dataclass
-class _InFlight:
-    """A half of the batch whose verification was sent to the target and is not collected yet."""
+class _Drafted:
+    """The half of the batch drafted in the last pipelined step, to verify in the next."""
 
     plan: StepPlan
+    sampling: dict[str, SamplingRow]
     drafts: dict[str, tuple[list[int], torch.Tensor | None]]
     reserved: dict[str, int]  # req_id -> KV tokens its verification may add
     steady: bool  # every row decoding (its step times teach adaptive speculation)
-    batch: TargetStep
-    pending: object  # Pending[VerifyResult], or the exception its send raised
-
-    def result(self) -> VerifyResult:
-        if isinstance(self.pending, BaseException):
-            raise self.pending
-        return self.pending.result()
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)  # structured outputs' masks, computed already
 
 
 class TargetUnavailable(RuntimeError):
@@ -192,7 +178,7 @@ class Engine:
         # return before it is done.
         self.pipelined = (config.pipeline and draft is not None and hasattr(draft, "propose_async")
                           and hasattr(target, "step_async"))
-        self._in_flight: _InFlight | None = None  # pipelined: the verification sent, not yet collected
+        self._drafted: _Drafted | None = None
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines = 0  # requests ever given a deadline (expire() has nothing to do without one)
         # Adaptive speculation (engine/adaptive.py): each step's k, from acceptance and step times.
@@ -326,21 +312,9 @@ class Engine:
 
     def fail_all(self, error: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
         """End every request in flight with an error (the target lost its KV, say); nothing leaks."""
-        self._drain_in_flight()
         for req_id in list(self.requests):
             self.abort(req_id, FinishReason.ERROR, error=error, code=code)
-
-    def _drain_in_flight(self) -> None:
-        """Wait for the verification in flight (pipelined steps) and drop its result: its requests
-        are ending, and the target reads its calls in order, so its reply must be taken before
-        the next call's. Nothing to wait for on a target that failed (it is replaced)."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None or self.target_error is not None:
-            return
-        try:
-            flight.result()
-        except Exception:  # noqa: BLE001 - everything in it ends anyway; the next step finds a broken target
-            log.warning("the verification in flight failed while its requests were being ended", exc_info=True)
+        self._drafted = None
 
     def expire(self, now: float | None = None) -> int:
         """End the requests past their deadline (``add_request``); returns how many. ``step`` calls
@@ -364,7 +338,7 @@ class Engine:
         # _release_target keeps every slot that had KV: the next step frees them on ``target``
         # (nothing, if it is a fresh one), so the resumed requests bind their slots anew.
         self.target_error = None
-        self._in_flight = None
+        self._drafted = None
 
     def take_pending(self) -> list[RequestOutput]:
         """Outputs produced outside a step (aborts), without stepping."""
@@ -373,7 +347,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or outputs (of aborts) not yet returned by ``step``."""
-        return self.scheduler.has_work() or bool(self._pending) or self._in_flight is not None
+        return self.scheduler.has_work() or bool(self._pending)
 
     # -- the step ------------------------------------------------------------
 
@@ -443,13 +417,13 @@ class Engine:
         if self.spec_controller is not None and self.scheduler.step_k is not None:
             self.spec_controller.observe(rows, self.scheduler.step_k, seconds)
 
-    def _plan(self, flight: _InFlight | None = None, busy: set[str] = frozenset(),
+    def _plan(self, drafted: _Drafted | None = None, busy: set[str] = frozenset(),
               max_rows: int | None = None) -> StepPlan:
-        """Schedule this step's rows (besides ``flight``, the other half, being verified), free the
-        KV of those preempted, lease slots for the admitted."""
+        """Schedule this step's rows (besides ``drafted``, the other half in flight), free the KV
+        of those preempted, lease slots for the admitted."""
         plan = self.scheduler.schedule(
             admit=time.monotonic() >= self._admissions_paused_until, busy=busy,
-            reserved=sum(flight.reserved.values()) if flight else 0, max_rows=max_rows)
+            reserved=sum(drafted.reserved.values()) if drafted else 0, max_rows=max_rows)
         self.counters.preemptions += len(plan.preempted)
         self._release_target.extend(r.slot for r in plan.preempted)
         self._lease_slots(plan)
@@ -495,13 +469,12 @@ class Engine:
         return LogitsRules(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
                            p.min_tokens, stop_ids, prompt_ids, tuple(req.output_token_ids))
 
-    def _run_speculation(self, plan: StepPlan, sampling: dict[str, SamplingRow], call=None
+    def _run_speculation(self, plan: StepPlan, sampling: dict[str, SamplingRow]
                          ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
-        """Draft tokens (and their q rows) per request id; empty when nothing speculates.
-        ``call``: the draft's ``propose`` (default) or ``propose_async``."""
+        """Draft tokens (and their q rows) per request id; empty when nothing speculates."""
         if self.draft is None:
             return {}
-        return self._collect_proposal(self._send_proposal(plan, sampling, call or self.draft.propose))
+        return self._collect_proposal(self._send_proposal(plan, sampling, self.draft.propose))
 
     def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow],
                     masks: dict[str, torch.Tensor] | None = None) -> VerifyResult | None:
@@ -576,83 +549,109 @@ class Engine:
         # Every slot's KV goes, on whichever target comes next (a release of what a fresh
         # target does not hold is harmless); a recomputed request binds its slot anew.
         self._release_target[:0] = release + [r.slot for r in waiting]
-        self._in_flight = None
+        self._drafted = None
 
     # -- pipelined steps (module docstring) -----------------------------------------
 
     def _pipelined_step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
-        flight, self._in_flight = self._in_flight, None
-        busy = {r.req_id for r in flight.plan.rows} if flight else set()
+        drafted = self._take_drafted()
+        busy = {r.req_id for r in drafted.plan.rows} if drafted else set()
         self._choose_k()
         if self.scheduler.step_k == 0:
-            if flight is not None:  # nothing to overlap: take the verification in flight first
-                outputs += self._collect(flight)
-                if self.target_error is not None:
-                    return outputs
-            return self._whole_batch_step(outputs, t0)
-        plan = self._plan(flight, busy, self._half_rows(len(busy)))
+            return self._whole_batch_step(drafted, busy, outputs, t0)
+        plan = self._plan(drafted, busy, self._half_rows(len(busy)))
         t1 = time.perf_counter()
-        if not plan.rows and flight is None:
+        if not plan.rows and drafted is None:
             self._flush_releases()
             return outputs
         sampling = {r.req_id: self._sampling(r) for r in plan.rows}
         reserved = {r.req_id: self.scheduler.need(r) for r in plan.rows}
-        steady = self._steady(plan.rows) and (flight is None or flight.steady)
-        drafts = self._run_speculation(plan, sampling, self.draft.propose_async) if plan.rows else {}
+        steady = self._steady(plan.rows) and (drafted is None or drafted.steady)
+        # Both calls go out before either is waited for.
+        proposing = self._send_proposal(plan, sampling, self.draft.propose_async)
+        verifying = batch = None
+        if drafted is not None:
+            batch = self._target_batch(drafted.plan, drafted.drafts, drafted.sampling, drafted.masks)
+            try:
+                verifying = self.target.step_async(batch)
+            except Exception as exc:  # noqa: BLE001 - the send itself failed
+                verifying = exc
+        # The draft's reply first: the structured-output masks of the rows it drafted (for their
+        # verification next step) are computed while the target may still be verifying.
+        drafts = self._collect_proposal(proposing)
         masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.rows) else {}
         t2 = time.perf_counter()
-        if plan.rows:  # queued behind the verification in flight: the target never waits for the engine
-            batch = self._target_batch(plan, drafts, sampling, masks)
-            try:
-                pending = self.target.step_async(batch)
-            except Exception as exc:  # noqa: BLE001 - the send itself failed: seen when collected
-                pending = exc
-            self._in_flight = _InFlight(plan, drafts, reserved, self._steady(plan.rows), batch, pending)
-        if flight is not None:
-            outputs += self._collect(flight)
+        result = None
+        if isinstance(verifying, Exception):
+            error = verifying
+        else:
+            error = None
+            if verifying is not None:
+                try:
+                    result = verifying.result()
+                except Exception as exc:  # noqa: BLE001 - handled below
+                    error = exc
         t3 = time.perf_counter()
+        if error is not None:
+            self._target_failed(error, batch.release_slots)
+        else:
+            if drafted is not None:
+                outputs += self._commit(drafted.plan, drafted.drafts, result)
+            live = [r for r in plan.rows if not r.finished]
+            if live:
+                plan.rows = live
+                self._drafted = _Drafted(plan, sampling, drafts, {r.req_id: reserved[r.req_id] for r in live},
+                                         self._steady(live),
+                                         {k: v for k, v in masks.items() if k in {r.req_id for r in live}})
         self._flush_releases()
         t4 = time.perf_counter()
         # In a pipelined step propose and verify overlap: "propose" is the wait for the draft
-        # (and the masks of what it drafted), "verify" the wait for the target's reply beyond it.
+        # (and the masks of what it drafted), "verify" only the wait for the target beyond it.
         self.timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(plan.rows) + len(busy))
         self.counters.steps += 1
-        if steady and self.target_error is None and flight is not None:
-            # (With one request the steps alternate: one drafts and sends it, the next collects it.)
+        if steady and error is None and (plan.rows or drafted is not None):
+            # (With one request the steps alternate: one drafts it, the next verifies it.)
             self._observe_step(len(plan.rows) + len(busy), t4 - t0)
         return outputs
 
-    def _collect(self, flight: _InFlight) -> list[RequestOutput]:
-        """Wait for ``flight``'s verification and commit it. If the target failed, everything
-        running waits for a rebuilt one (``_target_failed``), the half sent after it included."""
-        try:
-            result = flight.result()
-        except Exception as exc:  # noqa: BLE001 - handled as a target failure
-            sent_after = self._in_flight
-            release = flight.batch.release_slots + (sent_after.batch.release_slots if sent_after else [])
-            self._target_failed(exc, release)
-            return []
-        return self._commit(flight.plan, flight.drafts, result)
-
-    def _whole_batch_step(self, outputs: list[RequestOutput], t0: float) -> list[RequestOutput]:
-        """Adaptive speculation chose k = 0: nothing to overlap, so one target call verifies every
-        row this step takes, and the pipeline starts again from empty. (Rows that speculate
-        whatever the step's k, a fixed num_speculative_tokens or a seeded sampled request, are
-        drafted first, in this step.)"""
-        plan = self._plan(max_rows=self.config.max_num_seqs)
+    def _whole_batch_step(self, drafted: _Drafted | None, busy: set[str], outputs: list[RequestOutput],
+                          t0: float) -> list[RequestOutput]:
+        """Adaptive speculation chose k = 0: nothing to overlap, so one target call verifies the
+        half drafted last step (if any) together with every other row this step takes, and the
+        pipeline starts again from empty. (Rows that speculate whatever the step's k, a fixed
+        num_speculative_tokens or a seeded sampled request, are drafted first, in this step.)"""
+        plan = self._plan(drafted, busy, self.config.max_num_seqs - len(busy))
         t1 = time.perf_counter()
-        if not plan.rows:
+        if not plan.rows and drafted is None:
             self._flush_releases()
             return outputs
-        steady = self._steady(plan.rows)
+        steady = self._steady(plan.rows) and (drafted is None or drafted.steady)
         sampling = {r.req_id: self._sampling(r) for r in plan.rows}
         drafts = self._run_speculation(plan, sampling)
         masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.rows) else {}
         t2 = time.perf_counter()
+        if drafted is not None:
+            plan.rows[:0] = drafted.plan.rows
+            sampling.update(drafted.sampling)
+            drafts.update(drafted.drafts)
+            masks.update(drafted.masks)
         result = self._run_target(plan, drafts, sampling, masks)
         return self._close_step(plan, drafts, result, outputs, steady, t0, t1, t2)
+
+    def _take_drafted(self) -> _Drafted | None:
+        """Last step's drafted half, without the requests that ended since."""
+        drafted, self._drafted = self._drafted, None
+        if drafted is None:
+            return None
+        rows = [r for r in drafted.plan.rows if r.status is Status.RUNNING]
+        if not rows:
+            return None
+        drafted.plan.rows = rows
+        keep = {r.req_id for r in rows}
+        drafted.reserved = {k: v for k, v in drafted.reserved.items() if k in keep}
+        return drafted
 
     def _half_rows(self, busy: int) -> int:
         """Rows the half drafted now may take: half of the runnable requests (at least one)."""
@@ -704,8 +703,6 @@ class Engine:
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []
         for i, (r, accepted, emitted) in enumerate(zip(plan.rows, result.num_accepted, result.emitted)):
-            if r.finished:  # ended (aborted, expired) while its verification was in flight
-                continue
             if result.cached_tokens is not None and result.cached_tokens[i]:
                 r.cached_tokens += result.cached_tokens[i]
                 self.counters.prefix_cache_hit_tokens += result.cached_tokens[i]
@@ -808,8 +805,7 @@ class Engine:
             leases, self._release_leases = self._release_leases, []
             self.slots.release_many(leases)
             self._admissions_paused_until = 0.0
-        # Else they go with the next target call (a call of its own must not overtake one in flight).
-        if self._release_target and not self.scheduler.has_work() and self._in_flight is None:
+        if self._release_target and not self.scheduler.has_work():
             slots, self._release_target = self._release_target, []
             try:
                 self.target.release(slots)
