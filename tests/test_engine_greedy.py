@@ -21,6 +21,7 @@ import torch
 from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
 from dspark_ray import LLM, SamplingParams
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
+from dspark_ray.engine.local import native_bf16_cpu
 from dspark_ray.model.llama import CausalAttention
 from engine_fixtures import (  # noqa: F401 - fixtures
     EOS_ID,
@@ -96,14 +97,16 @@ def test_greedy_equals_transformers(tiny_models: TinyModels, reference, draft, w
     assert_drained(engine, len(prompts))
 
 
-@pytest.mark.parametrize("draft_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("draft_dtype", ["bfloat16", "float16", "auto"])
 def test_a_draft_in_another_dtype_changes_no_token(tiny_models: TinyModels, reference, draft_dtype):
-    """draft_dtype: the draft runs in bfloat16 or float16 beside the float32 target; output is still
-    the target's own greedy output (every token is verified) and the draft is still right often
-    ("same" is the target's weights: in another dtype it is nearly always right, not always)."""
+    """draft_dtype: the draft runs in bfloat16 or float16 beside the float32 target ("auto": bfloat16
+    on a CPU with native bfloat16, float32 elsewhere); output is still the target's own greedy output
+    (every token is verified) and the draft is still right often ("same" is the target's weights: in
+    another dtype it is nearly always right, not always)."""
     engine = make_engine(tiny_models.target, tiny_models.drafts["same"], num_speculative_tokens=4,
                          draft_window=MAX_CONTEXT, capacity=8, max_context=MAX_CONTEXT, draft_dtype=draft_dtype)
-    assert next(engine.draft.model.parameters()).dtype == getattr(torch, draft_dtype)
+    expected = draft_dtype if draft_dtype != "auto" else "bfloat16" if native_bf16_cpu() else "float32"
+    assert next(engine.draft.model.parameters()).dtype == getattr(torch, expected)
     assert next(engine.target.model.parameters()).dtype == torch.float32
     prompts = prompt_set()
     results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])

@@ -91,9 +91,10 @@ class AppConfig(BaseModel):
         "auto", description="Weights and activations; auto = float32 on CPU, the checkpoint's dtype on CUDA."
     )
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
-        None, description="The draft model's dtype; null: dtype. Output is the target's whatever it is (every "
-        "token is verified); a bfloat16 draft beside a float32 target halves the draft's memory traffic on CPUs "
-        "with native bfloat16 (README, Performance).",
+        "auto", description="The draft model's dtype; null: dtype; auto: bfloat16 on a CPU with native bfloat16 "
+        "(AVX512-BF16 or AMX), else float32, and the checkpoint's on CUDA. Output is the target's whatever it is "
+        "(every token is verified); a bfloat16 draft beside a float32 target halves the draft's memory traffic "
+        "(README, Performance).",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
