@@ -46,6 +46,33 @@ def call(server: DSparkServer, method: str, path: str, body: dict | None = None)
     return asyncio.run(go())
 
 
+def test_the_drain_switch_refuses_new_requests_and_takes_no_slot(server, serve_models):
+    """POST /admin/drain: new requests get 503 ``draining`` with Retry-After and take no slot, /health
+    says ``draining``; /admin/resume undoes it. (httpx's ASGI transport hands over a response only
+    once it is complete, so the streams that run on through a drain are checked under real Serve,
+    test_serve_replicas.py.)"""
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    try:
+        r = call(server, "POST", "/admin/drain")
+        assert r.status_code == 200 and r.json() == {"draining": True, "requests_in_flight": 0}, r.text
+        allocations = server.services.slots.snapshot().counters.allocations
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            payload = body if path == "/v1/completions" else {
+                "model": serve_models.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+            refused = call(server, "POST", path, payload)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
+            assert int(refused.headers["retry-after"]) > 0
+        assert server.services.slots.snapshot().counters.allocations == allocations  # no slot taken
+        health = call(server, "GET", "/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        assert call(server, "GET", "/admin/drain").json()["draining"] is True
+    finally:
+        r = call(server, "POST", "/admin/resume")
+    assert r.json() == {"draining": False, "requests_in_flight": 0}
+    assert call(server, "POST", "/v1/completions", body).status_code == 200
+    assert call(server, "GET", "/health").json()["status"] == "ok"
+
+
 def test_completion_equals_the_offline_engine(server, serve_models):
     body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
     r = call(server, "POST", "/v1/completions", body)

@@ -284,6 +284,50 @@ def test_two_replicas_serve_at_once_without_sharing_a_slot_each_sized_for_its_sh
 
 @pytest.mark.ray
 @pytest.mark.slow
+def requests_answered(client: httpx.Client, model: str, n: int = 6) -> list[tuple[int, str | None]]:
+    """``n`` small completions in a row (each lands on either replica): (status, error code) of each."""
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    out = []
+    for _ in range(n):
+        r = client.post("/v1/completions", json=body)
+        out.append((r.status_code, r.json().get("error", {}).get("code") if r.status_code != 200 else None))
+    return out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_finish(two_replicas, reference,
+                                                                                  client):
+    """POST /admin/drain (answered by either replica) turns the application's switch on, on its slot
+    manager: within a heartbeat every replica refuses new requests (503 ``draining``, Retry-After) and
+    reports ``draining`` on /health, while the streams they hold run to the end; /admin/resume turns
+    it off for every replica again."""
+    streams = start_streams(client, two_replicas, "drain", 96, speculative=False)
+    held = watch_until(lambda snap: len(leases_by_owner(snap)) == REPLICAS and all(
+        s.chunks for s in streams if s.req_id in {h.lease.req_id for h in snap.live}), 60)
+    assert len(leases_by_owner(held)) == REPLICAS, f"not both replicas were serving: {held.live}"
+    try:
+        r = client.post("/admin/drain")
+        assert r.status_code == 200 and r.json()["draining"] is True, r.text
+        refused = wait_for(lambda: all(a == (503, "draining") for a in requests_answered(client, two_replicas.model)),
+                           5)
+        assert refused, requests_answered(client, two_replicas.model)
+        r = client.post("/v1/completions", json={"model": two_replicas.model, "prompt": "x", "max_tokens": 1})
+        assert r.headers.get("retry-after") and "draining" in r.json()["error"]["message"], r.text
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        join(streams)
+        for s in streams:  # everything admitted before the switch ran to the end, exactly
+            assert s.completed and s.text == reference[s.prompt, 96], s
+    finally:
+        r = client.post("/admin/resume")
+    assert r.status_code == 200 and r.json()["draining"] is False, r.text
+    assert wait_for(lambda: all(a == (200, None) for a in requests_answered(client, two_replicas.model)), 5), \
+        requests_answered(client, two_replicas.model)
+    assert client.get("/health").json()["status"] == "ok"
+    drained()
+
+
 def test_a_killed_replica_leaves_the_other_serving_and_its_leases_are_reclaimed(two_replicas, reference, client):
     replicas = {r.owner: r for r in serve_replicas("dspark")}
     assert len(replicas) == REPLICAS, replicas

@@ -51,6 +51,17 @@ def test_lowest_free_slot_first_and_epochs_strictly_increase():
     assert a.epoch < b.epoch < c.epoch < d.epoch
 
 
+def test_the_drain_switch_is_reported_with_every_heartbeat_and_changes_no_lease():
+    reg = SlotRegistry(4)
+    lease = reg.allocate("a", "owner")
+    assert reg.sync("owner", [lease]).draining is False
+    assert reg.set_draining(True) is True and reg.draining
+    result = reg.sync("owner", [lease])
+    assert result.draining is True and result.reclaimed == [] and result.conflicts == []
+    assert reg.allocate("b", "owner").slot == 2  # the registry still hands out slots; servers stop admitting
+    assert reg.set_draining(False) is False and reg.sync("owner", [lease]).draining is False
+
+
 def test_allocating_a_live_id_returns_its_lease_unchanged():
     registry = SlotRegistry(2)
     lease = registry.allocate("a", owner="x")

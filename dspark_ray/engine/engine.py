@@ -172,6 +172,9 @@ class Engine:
         # After the slot service ran out, new admissions wait until this engine frees a
         # slot or SLOT_RETRY_S passes (another replica may free one), instead of asking every step.
         self._admissions_paused_until = 0.0
+        # The application's drain switch as the last slot heartbeat reported it (the serving layer
+        # then admits no new requests; the engine itself runs what it has).
+        self.app_draining = False
         self.target_error: Exception | None = None  # set when a target step failed; see reset_target
         self.target_failed_at = 0.0  # time.monotonic() of the last target failure
         # Pipelined steps (module docstring) when both remote services can take a call and
@@ -305,6 +308,7 @@ class Engine:
         """
         leases = [SlotLease(r.req_id, r.slot, r.epoch, self.owner) for r in self.requests.values() if r.holds_slot]
         result = self.slots.sync(self.owner, leases)
+        self.app_draining = result.draining
         for lease in result.conflicts:
             self.abort(lease.req_id, FinishReason.ERROR, error="its slot was lost while the slot manager restarted",
                        code=ErrorCode.SLOT_LOST)

@@ -281,6 +281,9 @@ class RaySlots:
     def release_many(self, req_ids_with_epochs) -> list[bool]:
         return self._call("release_many", list(req_ids_with_epochs))
 
+    def set_draining(self, draining: bool) -> bool:
+        return self._call("set_draining", draining)
+
     def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
         """One heartbeat, never retried: a missed beat is simply followed by the next."""
         return ray.get(self.manager.sync.remote(owner, leases), timeout=self.SYNC_TIMEOUT_S)

@@ -36,6 +36,15 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class Draining(RuntimeError):
+    """The application's drain switch is on: no new requests; the ones running finish."""
+
+    def __init__(self, retry_after_s: int = 5) -> None:
+        super().__init__("the server is draining (maintenance or a redeploy): it takes no new requests and finishes "
+                         f"the ones it has; retry in {retry_after_s}s or on another server")
+        self.retry_after_s = retry_after_s
+
+
 class EngineDead(RuntimeError):
     """The engine thread stopped; the replica cannot serve."""
 
@@ -93,6 +102,8 @@ class EngineLoop:
         ``deadline``: a ``time.monotonic()`` reading past which it ends with a timeout error."""
         if not self.alive:
             raise EngineDead(f"the engine loop is not running: {self.error!r}")
+        if self.engine.app_draining:
+            raise Draining()
         waiting = self.num_waiting()
         if waiting >= self.max_queued_requests:
             raise Overloaded(waiting)
@@ -124,6 +135,22 @@ class EngineLoop:
         finally:
             if not finished:
                 self.abort(req_id)
+
+    async def set_draining(self, draining: bool) -> bool:
+        """Turn the application's drain switch on or off (on its slot manager, so every replica hears
+        of it with its next heartbeat; this one at once). Returns the switch."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def switch() -> None:  # on the engine thread, the only one that calls the slot service
+            try:
+                self.engine.app_draining = self.engine.slots.set_draining(draining)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.set_exception(exc)
+                return
+            done.set_result(self.engine.app_draining)
+
+        self._submit(switch)
+        return await asyncio.wrap_future(done)
 
     def abort(self, req_id: str) -> None:
         def abort() -> None:

@@ -36,7 +36,7 @@ from dspark_ray.engine.request import ErrorCode
 from dspark_ray.serve.actors import SlotServiceUnavailable, WorkerTimeout, ray_services
 from dspark_ray.serve.autoscaling import ONGOING_METRIC
 from dspark_ray.serve.config import AppConfig
-from dspark_ray.serve.engine_loop import EngineDead, EngineLoop, Overloaded
+from dspark_ray.serve.engine_loop import Draining, EngineDead, EngineLoop, Overloaded
 from dspark_ray.serve.http import APP_HEADER, ReplicaHTTP
 from dspark_ray.serve.metrics import HTTPMetrics, ServingMetrics, vllm_spec_decode_text
 from dspark_ray.serve.choices import Choice, ChoiceStreams, fan_out
@@ -121,6 +121,9 @@ def _api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.field)  # "field: what is wrong"
     if isinstance(exc, Overloaded):
         return APIError(503, str(exc), code="overloaded", err_type="server_error",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, Draining):
+        return APIError(503, str(exc), code="draining", err_type="server_error",
                         headers={"Retry-After": str(exc.retry_after_s)})
     # Server-side failures: a short message for the client, the exception (Ray actor ids,
     # pids, paths, tracebacks) only in the log.
@@ -217,6 +220,9 @@ class DSparkServer:
         api.post("/v1/completions")(self.completions)
         api.post("/v1/chat/completions")(self.chat_completions)
         api.get("/stats")(self.stats_route)
+        api.get("/admin/drain")(self.drain_route)
+        api.post("/admin/drain")(self.drain_route)
+        api.post("/admin/resume")(self.drain_route)
         api.get("/metrics")(self.metrics_route)
         return api
 
@@ -258,7 +264,38 @@ class DSparkServer:
             what = str(failure) if isinstance(failure, WorkerTimeout) else "the target failed"
             return JSONResponse({"status": "unhealthy", "error": f"{what}; it is being rebuilt and the requests in "
                                  "flight wait for it"}, status_code=503, headers=app)
+        if self.loop.engine.app_draining:  # load balancers take it out; Serve's own check (check_health) does not
+            return JSONResponse({"status": "draining", "requests_in_flight": self._in_flight()}, status_code=503,
+                                headers=app)
         return JSONResponse({"status": "ok"}, headers=app)
+
+    async def drain_route(self, request: Request) -> JSONResponse:
+        """``POST /admin/drain`` turns the application's drain switch on, ``POST /admin/resume`` off,
+        ``GET /admin/drain`` reads it (the API key applies): ``drain_status``."""
+        try:
+            self._authorize(request)
+            if request.method == "POST":
+                await self.drain(not request.url.path.endswith("/resume"))
+        except APIError as err:
+            return err.response()
+        except Exception as exc:  # noqa: BLE001 - e.g. the slot manager is restarting
+            return _api_error(exc).response()
+        return JSONResponse(self.drain_status())
+
+    async def drain(self, draining: bool = True) -> dict:
+        """The drain switch (also through a Serve handle: ``handle.drain.remote()``). On: every replica
+        of the application stops admitting (503 ``draining`` with Retry-After, ``/health`` 503)
+        within ``sync_interval_s`` (this one at once) and finishes what it holds; off: they admit again.
+        A graceful redeploy (Serve's) also finishes the streams in flight (runbooks/drain-and-restart.md)."""
+        await self.loop.set_draining(draining)
+        return self.drain_status()
+
+    def drain_status(self) -> dict:
+        """``draining`` as this replica last heard it; the requests it still holds."""
+        return {"draining": self.loop.engine.app_draining, "requests_in_flight": self._in_flight()}
+
+    def _in_flight(self) -> int:
+        return len(self.loop.engine.requests)
 
     async def models(self, request: Request) -> JSONResponse:
         try:

@@ -191,6 +191,15 @@ class SlotManager:
     def snapshot(self) -> SlotSnapshot:
         return self._registry.snapshot()
 
+    def set_draining(self, draining: bool) -> bool:
+        """``SlotRegistry.set_draining``: the application's drain switch (kept in memory: a
+        restarted manager starts with it off)."""
+        log.warning("drain switch %s", "on: servers admit no new requests" if draining else "off")
+        return self._registry.set_draining(draining)
+
+    def draining(self) -> bool:
+        return self._registry.draining
+
     def _seen(self, owner: str) -> None:
         if owner:
             self._last_seen[owner] = time.monotonic()

@@ -96,6 +96,7 @@ class SyncResult:
 
     reclaimed: list[SlotLease]  # leases the owner no longer reported: freed
     conflicts: list[SlotLease]  # leases the owner reported that someone else now holds
+    draining: bool = False  # the application is draining: its servers admit no new requests
 
 
 class SlotRegistry:
@@ -133,6 +134,7 @@ class SlotRegistry:
         self._releases = 0
         self._stale_releases = 0
         self._exhausted = 0
+        self._draining = False
         self._restored = 0
 
     @property
@@ -276,7 +278,24 @@ class SlotRegistry:
                 conflicts.append(lease)
         bad = {lease.req_id for lease in conflicts}
         reclaimed = self.reconcile(owner, [lease.req_id for lease in leases if lease.req_id not in bad])
-        return SyncResult(reclaimed=reclaimed, conflicts=conflicts)
+        return SyncResult(reclaimed=reclaimed, conflicts=conflicts, draining=self._draining)
+
+    # --- draining -----------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """The application's drain switch (``set_draining``)."""
+        return self._draining
+
+    def set_draining(self, draining: bool) -> bool:
+        """Turn the application's drain switch on or off; returns it.
+
+        The registry only keeps the switch: it hands out slots as before (requests
+        admitted just before the switch still get theirs). Every owner hears of it
+        with its next heartbeat (``sync``) and its server stops admitting requests.
+        """
+        self._draining = bool(draining)
+        return self._draining
 
     def _check_restorable(self, owner: str, leases: list[SlotLease]) -> list[SlotLease]:
         """Returns the leases not yet installed; raises if any cannot be."""

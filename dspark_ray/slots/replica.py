@@ -134,7 +134,11 @@ class ReplicaSlots:
             self._drop(held)
         result = self.slots.sync(owner, [held.lease for held in reported.values()])
         conflicts += [reported[lease.req_id].local for lease in result.conflicts if lease.req_id in reported]
-        return SyncResult(reclaimed=[held.local for held in dropped], conflicts=conflicts)
+        return SyncResult(reclaimed=[held.local for held in dropped], conflicts=conflicts, draining=result.draining)
+
+    def set_draining(self, draining: bool) -> bool:
+        """The application's drain switch, on the slot service."""
+        return self.slots.set_draining(draining)
 
     def lookup(self, req_id: str) -> tuple[SlotLease, int] | None:
         """``req_id``'s application lease and its row here, or None."""
