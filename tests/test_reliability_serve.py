@@ -27,6 +27,7 @@ replica-kill test runs last because it replaces the replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -420,6 +421,74 @@ def test_overload_every_stream_completes_or_is_refused_with_retry_after(app, ser
 
 
 # -- a server replica dies -------------------------------------------------------------------------
+
+
+HANG_APP, HANG_PREFIX = "dspark-hang", "/hang"
+
+
+@pytest.fixture(scope="module")
+def hang_app(served: ServeRun, serve_models):
+    """An application whose step deadline is short once measured (1 s floor), with the API key."""
+    port = free_port()
+    args = dict(served.args, model=str(serve_models.target), draft=str(serve_models.draft),
+                tensor_parallel_size=1, capacity=CAPACITY, max_num_seqs=CAPACITY, max_context=MAX_CONTEXT,
+                api_key=API_KEY, http_port=port, step_timeout_floor_s=1.0, step_timeout_factor=10.0)
+    serve.run(build_app(args), name=HANG_APP, route_prefix=HANG_PREFIX)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.delete(HANG_APP)
+
+
+def target_shard_pid(replica: ServeReplica) -> int:
+    from ray._private import state
+
+    (pid,) = [a["Pid"] for a in state.actors().values()
+              if a["State"] == "ALIVE" and a["Name"] == f"dspark:target:{replica.owner}:rank0"]
+    return pid
+
+
+def test_a_hung_target_shard_is_caught_by_its_step_deadline_and_no_stream_is_lost(hang_app, served):
+    """The target shard's process is stopped (SIGSTOP: alive, never answering) while CAPACITY streams
+    run: the step deadline fires within seconds, /health names the stall while the target is rebuilt,
+    and every stream completes, token for token its solo run's text."""
+    model, tokens = served.model, 64
+    reference = reference_texts(hang_app, model, tokens)  # also gives the deadline its measured steps
+    pid = target_shard_pid(the_replica(HANG_APP))
+
+    async def stall_mid_stream() -> tuple[list[Outcome], float | None, float]:
+        async with httpx.AsyncClient(base_url=hang_app, timeout=httpx.Timeout(60, connect=30)) as c:
+            firsts = [asyncio.Event() for _ in range(CAPACITY)]
+            tasks = [asyncio.create_task(stream(c, "/v1/completions",
+                                                body(model, PROMPTS[i % len(PROMPTS)], tokens, stream=True,
+                                                     speculative=False, stream_options={"include_usage": True}),
+                                                timeout_s=120, first=firsts[i])) for i in range(CAPACITY)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            reported = None
+            while reported is None and time.monotonic() - stopped < 60 and not all(t.done() for t in tasks):
+                r = await c.get("/health")
+                if r.status_code == 503 and "did not answer" in r.json().get("error", ""):
+                    reported = time.monotonic() - stopped
+                await asyncio.sleep(0.05)
+            outs = await asyncio.gather(*tasks)
+            return outs, reported, time.monotonic() - stopped
+
+    try:
+        outcomes, reported_s, done_s = asyncio.run(stall_mid_stream())
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the rebuild SIGKILLs it; never leave it stopped
+            os.kill(pid, signal.SIGCONT)
+    print(f"\ntarget shard stopped: /health named the stall after {reported_s} s, "
+          f"all {CAPACITY} streams done {done_s:.1f} s after the stop")
+    assert reported_s is not None and reported_s < 15, "the stall was not caught within its step deadline"
+    for i, o in enumerate(outcomes):
+        assert completed_text(o, tokens) == reference[PROMPTS[i % len(PROMPTS)]], f"stream {i} differs"
+    s = stats(HANG_APP)
+    assert s["worker_timeouts"] == {"target": 1} and s["target_failures"] == 1, s
+    assert wait_for(lambda: httpx.get(f"{hang_app}/health", timeout=5).status_code == 200, 30)
+    assert wait_for(lambda: slot_snapshot(HANG_APP).live == (), 15), slot_snapshot(HANG_APP).live
 
 
 def test_a_killed_replica_loses_its_streams_cleanly_and_its_leases_are_reclaimed(app, served):
