@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 import urllib.request
 
@@ -19,6 +20,8 @@ from dspark_ray.slots import (
     slot_manager_name,
     start_slot_manager,
 )
+
+from serve_fixtures import serve_models  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.ray
 
@@ -184,3 +187,68 @@ def test_a_silent_owner_loses_its_leases(cluster):
     snap = ray.get(manager.snapshot.remote())
     assert {held.lease.req_id for held in snap.live} == {"l1"}
     assert snap.counters.releases == 2 and snap.free == 3
+
+
+class SlowTarget:
+    """The real target runner, whose ``slow_call``-th step takes ``seconds`` longer (a slow step, or a
+    worker stalled short of its deadline)."""
+
+    def __init__(self, inner, slow_call: int, seconds: float) -> None:
+        self.inner, self.slow_call, self.seconds, self.calls = inner, slow_call, seconds, 0
+        self.slow_started = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, batch):
+        self.calls += 1
+        if self.calls == self.slow_call:
+            self.slow_started.set()
+            time.sleep(self.seconds)
+        return self.inner.step(batch)
+
+
+def test_a_step_longer_than_the_owner_timeout_keeps_its_leases(cluster, serve_models):
+    """The heartbeat goes out between steps; a step that runs past the manager's owner timeout must
+    not get the live owner's leases reclaimed (the engine loop's keepalive): the lease stays held
+    through the slow step, is never restored, and the request completes."""
+    import asyncio
+
+    from dspark_ray.engine import Engine, EngineConfig, SamplingParams
+    from dspark_ray.engine.local import make_target_runner
+    from dspark_ray.serve.actors import RaySlots
+    from dspark_ray.serve.engine_loop import EngineLoop
+    from dspark_ray.slots import ReplicaSlots
+    from dspark_ray.tokenizer import Tokenizer
+
+    manager = start_slot_manager(4, app_name="keepalive", owner_timeout_s=1.0)
+    config = EngineConfig(model=str(serve_models.target), capacity=4, max_context=64)
+    tokenizer = Tokenizer.from_path(config.model)
+    target = SlowTarget(make_target_runner(config, tokenizer.vocab_size), slow_call=3, seconds=3.0)
+    slots = ReplicaSlots(RaySlots(manager, timeout_s=10), rows=4, app_capacity=4)
+    loop = EngineLoop(Engine(config, tokenizer, slots, target, None, owner="slow-owner"), max_queued_requests=4,
+                      sync_interval_s=0.2)
+    held_during: list[int] = []
+
+    def watch() -> None:
+        target.slow_started.wait(30)
+        end = time.monotonic() + 2.8
+        while time.monotonic() < end:
+            held_during.append(len(ray.get(manager.snapshot.remote()).live))
+            time.sleep(0.1)
+
+    async def generate() -> list:
+        return [out async for out in loop.generate("ROMEO.", SamplingParams(max_tokens=6, ignore_eos=True), "r1")]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outputs = asyncio.run(generate())
+    finally:
+        watcher.join()
+        loop.shutdown()
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 6 and outputs[-1].error is None
+    assert target.calls >= 3 and held_during and all(n == 1 for n in held_during), held_during
+    snap = ray.get(manager.snapshot.remote())
+    assert snap.counters.restored == 0 and snap.live == () and snap.counters.allocations == snap.counters.releases
+    ray.kill(manager, no_restart=True)

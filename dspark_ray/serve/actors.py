@@ -284,6 +284,10 @@ class RaySlots:
     def set_draining(self, draining: bool) -> bool:
         return self._call("set_draining", draining)
 
+    def keepalive(self, owner: str) -> None:
+        """Tell the manager ``owner`` is alive; sent, not waited for. Safe from any thread."""
+        self.manager.touch.remote(owner)
+
     def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
         """One heartbeat, never retried: a missed beat is simply followed by the next."""
         return ray.get(self.manager.sync.remote(owner, leases), timeout=self.SYNC_TIMEOUT_S)

@@ -53,7 +53,11 @@ class EngineLoop:
     """Owns the engine thread.
 
     Besides stepping, the thread sends the slot heartbeat every
-    ``sync_interval_s`` (``Engine.sync_slots``) and, when a target step failed,
+    ``sync_interval_s`` (``Engine.sync_slots``); while a step or a target rebuild
+    keeps it busy longer than that (a slow step, a stalled worker before its
+    deadline, a model load), a second thread tells the slot service the owner
+    is alive (``keepalive``), so its leases are never reclaimed as a dead
+    owner's. When a target step failed,
     rebuilds the target through ``rebuild_target`` before stepping again. The
     requests in flight wait for it and resume (Engine docstring); a rebuild that
     fails is retried every ``REBUILD_RETRY_S``, and once
@@ -83,8 +87,11 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self.error: BaseException | None = None
+        self._busy_since: float | None = None  # time.monotonic() when the current step or rebuild began
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
+        self._keepalive = threading.Thread(target=self._keep_alive, name="dspark-keepalive", daemon=True)
+        self._keepalive.start()
 
     # -- asyncio side ----------------------------------------------------------
 
@@ -176,7 +183,9 @@ class EngineLoop:
                 loop_start = time.perf_counter()
                 while self._inbox:
                     self._inbox.popleft()()
+                self._busy_since = time.monotonic()
                 self._maintain()
+                self._busy_since = None
                 if self.engine.target_error is not None:  # waiting for a rebuilt target
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -187,11 +196,14 @@ class EngineLoop:
                     continue
                 t0 = time.perf_counter()
                 steps = self.engine.counters.steps
+                self._busy_since = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # the engine broke: fail everything in flight, keep serving
                     log.exception("engine step failed")
                     outputs = self._fail_all(exc)
+                finally:
+                    self._busy_since = None
                 t1 = time.perf_counter()
                 self._deliver(outputs)
                 t2 = time.perf_counter()
@@ -203,6 +215,21 @@ class EngineLoop:
             log.exception("engine loop died")
             for loop, queue in self._streams.values():
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDead(str(exc)))
+
+    def _keep_alive(self) -> None:
+        """While the engine thread is busy past a heartbeat interval, tell the slot service its owner
+        is alive (``keepalive``: no state read, safe from this thread)."""
+        keepalive = getattr(self.engine.slots, "keepalive", None)
+        if keepalive is None:  # an in-process registry keeps no owners' clocks
+            return
+        while not self._stop:
+            time.sleep(self.sync_interval_s)
+            since = self._busy_since
+            if since is not None and time.monotonic() - since >= self.sync_interval_s:
+                try:
+                    keepalive(self.engine.owner)
+                except Exception:  # noqa: BLE001 - the next beat tries again
+                    log.warning("slot keepalive failed", exc_info=True)
 
     def _record_step(self, loop_start: float, t0: float, t1: float, t2: float) -> None:
         timings, timeline = self.engine.timings, self.timeline

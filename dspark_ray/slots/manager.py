@@ -200,6 +200,10 @@ class SlotManager:
     def draining(self) -> bool:
         return self._registry.draining
 
+    def touch(self, owner: str) -> None:
+        """``owner`` is alive (between its heartbeats, while one of its steps runs long)."""
+        self._seen(owner)
+
     def _seen(self, owner: str) -> None:
         if owner:
             self._last_seen[owner] = time.monotonic()

@@ -136,6 +136,13 @@ class ReplicaSlots:
         conflicts += [reported[lease.req_id].local for lease in result.conflicts if lease.req_id in reported]
         return SyncResult(reclaimed=[held.local for held in dropped], conflicts=conflicts, draining=result.draining)
 
+    def keepalive(self, owner: str) -> None:
+        """The application's slot service hears that ``owner`` is alive (if it keeps owners' clocks).
+        The one method that may be called from another thread than the engine's: it reads no state."""
+        keepalive = getattr(self.slots, "keepalive", None)
+        if keepalive is not None:
+            keepalive(owner)
+
     def set_draining(self, draining: bool) -> bool:
         """The application's drain switch, on the slot service."""
         return self.slots.set_draining(draining)
