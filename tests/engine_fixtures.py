@@ -143,9 +143,13 @@ def make_engine(target: Path, draft: Path | None = None, **config) -> Engine:
 
     Adaptive speculation is off unless asked for: its k follows measured step times, so the
     speculation statistics these tests compare would follow the machine's load
-    (tests/test_engine_adaptive.py tests it, with output compared token for token)."""
+    (tests/test_engine_adaptive.py tests it, with output compared token for token). The draft is
+    float32 unless asked otherwise: the default ("auto") is bfloat16 only on CPUs with native
+    bfloat16, and these tests' drafts, acceptance and schedules must be the same on every machine
+    (test_engine_greedy.py tests the other dtypes, "auto" included)."""
     config.setdefault("capacity", 8)
     config.setdefault("adaptive_speculation", False)
+    config.setdefault("draft_dtype", "float32")
     config.setdefault("max_context", 128)
     return build_local_engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, **config))
 

@@ -407,8 +407,8 @@ def test_shipped_target_greedy_equals_transformers():
     params = SamplingParams(max_tokens=48)
     expected = shipped_reference(target, SHIPPED_PROMPTS, 48)
     plain = LLM(target, None, capacity=8, max_context=256).generate(SHIPPED_PROMPTS, params)
-    self_spec = LLM(target, target, num_speculative_tokens=4, draft_window=256, capacity=8,
-                    max_context=256).generate(SHIPPED_PROMPTS, params)
+    self_spec = LLM(target, target, num_speculative_tokens=4, draft_window=256, capacity=8, max_context=256,
+                    draft_dtype=None).generate(SHIPPED_PROMPTS, params)  # the draft in the target's own dtype
     for a, b, ref in zip(plain, self_spec, expected):
         assert a.token_ids == b.token_ids == ref
         assert b.spec.accepted_tokens == b.spec.draft_tokens > 0

@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 import pytest
@@ -284,12 +285,14 @@ def test_two_replicas_serve_at_once_without_sharing_a_slot_each_sized_for_its_sh
 
 @pytest.mark.ray
 @pytest.mark.slow
-def requests_answered(client: httpx.Client, model: str, n: int = 6) -> list[tuple[int, str | None]]:
-    """``n`` small completions in a row (each lands on either replica): (status, error code) of each."""
+def requests_answered(base_url: str, model: str, n: int = 12) -> list[tuple[int, str | None]]:
+    """``n`` small completions in a row, each on a connection of its own (the replicas share the port,
+    and the kernel hands each new connection to either one; a kept-alive connection would stay with
+    one replica): (status, error code) of each."""
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
     out = []
     for _ in range(n):
-        r = client.post("/v1/completions", json=body)
+        r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
         out.append((r.status_code, r.json().get("error", {}).get("code") if r.status_code != 200 else None))
     return out
 
@@ -306,12 +309,11 @@ def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_fin
     held = watch_until(lambda snap: len(leases_by_owner(snap)) == REPLICAS and all(
         s.chunks for s in streams if s.req_id in {h.lease.req_id for h in snap.live}), 60)
     assert len(leases_by_owner(held)) == REPLICAS, f"not both replicas were serving: {held.live}"
+    answered = partial(requests_answered, two_replicas.base_url, two_replicas.model)
     try:
         r = client.post("/admin/drain")
         assert r.status_code == 200 and r.json()["draining"] is True, r.text
-        refused = wait_for(lambda: all(a == (503, "draining") for a in requests_answered(client, two_replicas.model)),
-                           5)
-        assert refused, requests_answered(client, two_replicas.model)
+        assert wait_for(lambda: all(a == (503, "draining") for a in answered()), 5), answered()
         r = client.post("/v1/completions", json={"model": two_replicas.model, "prompt": "x", "max_tokens": 1})
         assert r.headers.get("retry-after") and "draining" in r.json()["error"]["message"], r.text
         health = client.get("/health")
@@ -322,8 +324,7 @@ def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_fin
     finally:
         r = client.post("/admin/resume")
     assert r.status_code == 200 and r.json()["draining"] is False, r.text
-    assert wait_for(lambda: all(a == (200, None) for a in requests_answered(client, two_replicas.model)), 5), \
-        requests_answered(client, two_replicas.model)
+    assert wait_for(lambda: all(a == (200, None) for a in answered()), 5), answered()
     assert client.get("/health").json()["status"] == "ok"
     drained()
 

@@ -26,7 +26,7 @@ class EngineConfig:
     # The draft's own dtype (None: dtype; "auto": bfloat16 on CPUs with native bfloat16, else float32,
     # on CUDA the checkpoint's; local.draft_runtime_dtype). Output does not depend on it (the target
     # verifies every token), only acceptance and the draft's speed do.
-    draft_dtype: str | None = None
+    draft_dtype: str | None = "auto"
     device: str = "cpu"
     # Overlap one half of the batch's draft with the other half's verification when the
     # draft and the target run in other processes (Engine docstring); no effect in process.
