@@ -55,13 +55,15 @@ def reference(serve_models) -> list[list[int]]:
     return run_all(engine, [engine.add_request(p, GREEDY, f"ref{i}") for i, p in enumerate(PROMPTS)])
 
 
-@pytest.fixture
-def replica(local_ray, serve_models, request):
+@contextlib.contextmanager
+def replica_services(serve_models, request, **services_args):
+    """One replica's real Ray services (TP 2 shards, draft worker, slot manager) and its engine."""
     name = request.node.name.replace("[", "-").replace("]", "")
     config = EngineConfig(model=str(serve_models.target), draft=str(serve_models.draft), num_speculative_tokens=4,
                           capacity=8, max_context=128, max_num_seqs=8)
     services = ReplicaServices(config, app_name=name, replica=name, tensor_parallel_size=2,
-                               placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1, slot_timeout_s=30)
+                               placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1, slot_timeout_s=30,
+                               **services_args)
     engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target, services.draft,
                     owner=name)
     try:
@@ -69,6 +71,12 @@ def replica(local_ray, serve_models, request):
     finally:
         services.shutdown()
         ray.kill(services.slot_manager, no_restart=True)
+
+
+@pytest.fixture
+def replica(local_ray, serve_models, request):
+    with replica_services(serve_models, request) as built:
+        yield built
 
 
 def run_all(engine: Engine, ids: list[str], on_step=None, max_steps: int = 400) -> list[list[int]]:
@@ -144,19 +152,8 @@ def test_target_shard_dies_no_request_is_lost(replica, reference):
 
 @pytest.fixture
 def replica_with_short_deadline(local_ray, serve_models, request):
-    name = request.node.name.replace("[", "-").replace("]", "")
-    config = EngineConfig(model=str(serve_models.target), draft=str(serve_models.draft), num_speculative_tokens=4,
-                          capacity=8, max_context=128, max_num_seqs=8)
-    services = ReplicaServices(config, app_name=name, replica=name, tensor_parallel_size=2,
-                               placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1, slot_timeout_s=30,
-                               step_timeout_floor_s=1.0, step_timeout_factor=10.0)
-    engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target, services.draft,
-                    owner=name)
-    try:
-        yield services, engine
-    finally:
-        services.shutdown()
-        ray.kill(services.slot_manager, no_restart=True)
+    with replica_services(serve_models, request, step_timeout_floor_s=1.0, step_timeout_factor=10.0) as built:
+        yield built
 
 
 def test_a_hung_target_shard_is_caught_by_the_step_deadline(replica_with_short_deadline, reference):

@@ -75,19 +75,26 @@ PROMPTS = ["ROMEO:\nBut soft, what light", "To be, or not"]
 # -- fixtures and helpers ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app(served: ServeRun, serve_models):
-    """A second application: tensor-parallel 1 with the draft, 4 slots, a queue of 4, an API key."""
-    port = free_port()  # its replica serves HTTP on a port of its own (the shipped YAML's way)
+@contextlib.contextmanager
+def small_app(served: ServeRun, serve_models, name: str, prefix: str, **extra):
+    """A second application beside the shipped one: tensor-parallel 1 with the draft, CAPACITY slots,
+    an API key, its replica serving HTTP on a port of its own (the shipped YAML's way); its URL."""
+    port = free_port()
     args = dict(served.args, model=str(serve_models.target), draft=str(serve_models.draft),
-                tensor_parallel_size=1, capacity=CAPACITY, max_num_seqs=CAPACITY,
-                max_queued_requests=MAX_QUEUED, max_context=MAX_CONTEXT, api_key=API_KEY, http_port=port)
-    serve.run(build_app(args), name=APP, route_prefix=PREFIX)
+                tensor_parallel_size=1, capacity=CAPACITY, max_num_seqs=CAPACITY, max_context=MAX_CONTEXT,
+                api_key=API_KEY, http_port=port, **extra)
+    serve.run(build_app(args), name=name, route_prefix=prefix)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.delete(APP)
+        serve.delete(name)
 
+
+@pytest.fixture(scope="module")
+def app(served: ServeRun, serve_models):
+    """The small application with a queue of MAX_QUEUED."""
+    with small_app(served, serve_models, APP, PREFIX, max_queued_requests=MAX_QUEUED) as url:
+        yield url
 
 
 def stats(app_name: str) -> dict:
@@ -428,16 +435,10 @@ HANG_APP, HANG_PREFIX = "dspark-hang", "/hang"
 
 @pytest.fixture(scope="module")
 def hang_app(served: ServeRun, serve_models):
-    """An application whose step deadline is short once measured (1 s floor), with the API key."""
-    port = free_port()
-    args = dict(served.args, model=str(serve_models.target), draft=str(serve_models.draft),
-                tensor_parallel_size=1, capacity=CAPACITY, max_num_seqs=CAPACITY, max_context=MAX_CONTEXT,
-                api_key=API_KEY, http_port=port, step_timeout_floor_s=1.0, step_timeout_factor=10.0)
-    serve.run(build_app(args), name=HANG_APP, route_prefix=HANG_PREFIX)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.delete(HANG_APP)
+    """The small application with a step deadline that is short once measured (1 s floor)."""
+    with small_app(served, serve_models, HANG_APP, HANG_PREFIX, step_timeout_floor_s=1.0,
+                   step_timeout_factor=10.0) as url:
+        yield url
 
 
 def target_shard_pid(replica: ServeReplica) -> int:
