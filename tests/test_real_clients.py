@@ -59,6 +59,7 @@ class Recorder:
     def __init__(self, app) -> None:
         self.app = app
         self.calls: list[Call] = []
+        self.active = 0  # requests whose handling has not returned yet
         self.lock = threading.Lock()
 
     async def __call__(self, scope, receive, send):
@@ -78,6 +79,8 @@ class Recorder:
                 status["code"] = message["status"]
             await send(message)
 
+        with self.lock:
+            self.active += 1
         try:
             await self.app(scope, recv, snd)
         finally:
@@ -88,11 +91,18 @@ class Recorder:
                 body = {"<raw>": raw.decode(errors="replace")}
             with self.lock:
                 self.calls.append(Call(scope["path"], body, status.get("code")))
+                self.active -= 1
 
-    def take(self) -> list[Call]:
-        with self.lock:
-            calls, self.calls = self.calls, []
-        return calls
+    def take(self, wait_s: float = 10.0) -> list[Call]:
+        """The requests recorded since the last take. A client can read a stream's last chunk before
+        the server's handler has returned (and been recorded): wait for those first."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.lock:
+                if not self.active or time.monotonic() > deadline:
+                    calls, self.calls = self.calls, []
+                    return calls
+            time.sleep(0.01)
 
 
 @dataclass
