@@ -182,7 +182,7 @@ def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, 
     from dspark_ray.model.cpu_gemm import available, pack_weights
 
     if not available(torch.device("cpu"), getattr(torch, dtype)):
-        pytest.skip("oneDNN's prepacked linear is not available in this torch build")
+        pytest.skip(f"oneDNN's prepacked linear cannot run {dtype} on this CPU or torch build")
     architecture, overrides = CASES[case]
     folder, _ = make_checkpoint(architecture, **overrides)
     packed, plain = load(folder, dtype=dtype), load(folder, dtype=dtype, pack=False)

@@ -29,9 +29,14 @@ PACKABLE = (torch.float32, torch.bfloat16)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's prepacked linear can run weights of ``dtype`` on ``device``."""
-    return (device.type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN's prepacked linear can run weights of ``dtype`` on ``device``.
+
+    bfloat16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU oneDNN refuses to
+    reorder a bfloat16 weight, and those linears keep torch's own matmul."""
+    if not (device.type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedGemm:
