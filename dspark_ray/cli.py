@@ -7,6 +7,7 @@
     dspark bench --systems dspark vllm --batches 1 8   # bench/compare.py: dspark_ray vs vLLM, transformers
     dspark bench --served --concurrency 1 8 32         # bench/served.py: serve run vs vllm serve, vLLM's client
     dspark loadgen --concurrency 8 --requests 64       # bench/loadgen.py against a local OpenAI server
+    dspark plan --model /models/Qwen3-30B-A3B --tp 2 --nodes 2 --memory-gb 128 --max-context 32768 --capacity 16
 """
 
 from __future__ import annotations
@@ -51,6 +52,67 @@ def _nccl_check(args: argparse.Namespace) -> int:
         min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor, iters=args.iters,
         warmup=args.warmup, hosts=args.hosts.split(",") if args.hosts else None, probe=args.probe,
     )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The memory plan of a deployment (dspark_ray/model/memory.py); exit status 1 if it does not fit."""
+    from dspark_ray.model.errors import ModelLoadError
+    from dspark_ray.model.memory import (GB, SLOT_POOL_SHARE, Checkpoint, Placement, Workload,
+                                         available_host_memory, checkpoint_name, plan, read_config)
+
+    if args.memory_gb is not None:
+        memory = int(args.memory_gb * GB)
+    elif args.device == "cpu":
+        memory = available_host_memory()
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("dspark plan: no CUDA device here to measure; give --memory-gb (a DGX Spark: 128)", file=sys.stderr)
+            return 2
+        memory = torch.cuda.mem_get_info()[1]
+    try:
+        target = Checkpoint.of(read_config(args.model), args.device, args.dtype, args.quantization,
+                               checkpoint_name(args.model))
+        draft = None
+        if args.draft and args.k:
+            draft = Checkpoint.of(read_config(args.draft), args.device, args.dtype, name=checkpoint_name(args.draft))
+        work = Workload(args.capacity, args.max_context, args.k, args.draft_window, args.max_num_seqs,
+                        args.max_num_batched_tokens, args.kv_pool_tokens,
+                        SLOT_POOL_SHARE if args.device == "cpu" and args.kv_pool_tokens is None else None)
+        placement = Placement(args.tp, args.nodes, memory, args.memory_utilization, args.device)
+    except (ValueError, ModelLoadError) as exc:
+        print(f"dspark plan: {exc}", file=sys.stderr)
+        return 2
+    result = plan(target, placement, work, draft)
+    print(result.table())
+    return 0 if result.fits else 1
+
+
+def _add_plan_command(sub) -> None:
+    plan = sub.add_parser("plan", help="will a deployment fit its memory: weights, KV cache, draft, workspace per "
+                          "device, the verdict and what would fit (from config.json alone, no weights read)")
+    plan.add_argument("--model", required=True, help="target checkpoint folder or its config.json")
+    plan.add_argument("--draft", default=None, help="draft checkpoint folder or config.json (default: none)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    plan.add_argument("--nodes", type=int, default=1, help="boxes the ranks are spread over")
+    plan.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    plan.add_argument("--memory-gb", type=float, default=None,
+                      help="memory of one device in GB (10^9 bytes): a GPU (a DGX Spark: 128), or on cpu a node's; "
+                      "default: measured here")
+    plan.add_argument("--memory-utilization", type=float, default=0.9)
+    plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    plan.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
+                      help="auto: as the checkpoint stores it; fp8: FP8 blocks for every projection; none: all in "
+                      "dtype")
+    plan.add_argument("--max-context", type=int, default=512)
+    plan.add_argument("--capacity", type=int, default=64, help="request slots of the replica")
+    plan.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    plan.add_argument("--draft-window", type=int, default=32)
+    plan.add_argument("--max-num-seqs", type=int, default=32)
+    plan.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    plan.add_argument("--kv-pool-tokens", type=int, default=None, help="a fixed KV pool (default: from memory)")
+    plan.set_defaults(func=_plan)
 
 
 def _dashboards_build(args: argparse.Namespace) -> int:
@@ -149,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-q", "--quiet", action="store_true", help="print only the generated text")
     gen.set_defaults(func=_generate)
     _add_ops_commands(sub)
+    _add_plan_command(sub)
     for command, (_, help_text) in BENCH_SCRIPTS.items():
         sub.add_parser(command, help=help_text, add_help=False)  # the script parses its own options
 

@@ -40,7 +40,9 @@ from dspark_ray.engine.outputs import SpecSummary
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EOS_ID = 0  # "<|endoftext|>" in the shipped tokenizer, "<eos>" in the word-level one
 TINY_VOCAB = ("<eos>", "a", "b", "c", "d")
-MAX_POSITIONS = 256
+# The tiny models' max_position_embeddings: at least EngineConfig's default max_context, which start-up
+# refuses to exceed (dspark_ray.model.rope.check_max_context). Default RoPE does not depend on it.
+MAX_POSITIONS = 1024
 
 
 def copy_shipped_tokenizer(folder: Path) -> None:

@@ -83,8 +83,9 @@ def test_unsupported_activation(ckpt):
 
 
 def test_unsupported_rope_scaling(ckpt):
-    edit_config(ckpt, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(UnsupportedArchitecture, match="rope_scaling type 'yarn'.*'linear' or 'llama3'"):
+    edit_config(ckpt, rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedArchitecture,
+                       match="rope_scaling type 'longrope'.*'linear', 'dynamic', 'llama3' or 'yarn'"):
         load(ckpt)
 
 

@@ -19,7 +19,10 @@ class EngineConfig:
     draft_window: int = 32  # positions the draft attends to (its ring cache holds window + k)
     capacity: int = 64  # request slots 1..capacity (row 0 is padding)
     max_context: int = 1024  # prompt + output tokens per request
-    kv_pool_tokens: int | None = None  # target KV pool size; None = capacity * max_context / 4, at least max_context + k
+    # Target KV pool size. None: on CUDA what the device has left after the weights (memory_utilization,
+    # engine/memory_budget.py), at most every slot at full context; on CPU capacity * max_context / 4
+    # (kv_tokens), at least max_context + k.
+    kv_pool_tokens: int | None = None
     max_num_seqs: int = 32  # requests per step
     max_num_batched_tokens: int = 4096  # target tokens fed per step
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
@@ -33,6 +36,8 @@ class EngineConfig:
     pipeline: bool = True
     # Automatic prefix caching in the target's KV pool (dspark_ray/slots/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # CUDA: the share of each GPU's memory this replica may use (weights, KV pool, workspace).
+    memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
@@ -45,6 +50,8 @@ class EngineConfig:
             raise ConfigError(f"max_context must be >= 2, got {self.max_context}")
         if self.draft_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"draft_dtype must be float32, bfloat16, float16, auto or None, got {self.draft_dtype!r}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ConfigError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_context + self.num_speculative_tokens:

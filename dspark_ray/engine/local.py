@@ -14,7 +14,9 @@ from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
-from dspark_ray.model import load
+from dspark_ray.model import ModelConfig, load
+from dspark_ray.model.rope import check_max_context
+from dspark_ray.model.mla import refuse_cached
 from dspark_ray.model.tp import TensorParallel
 from dspark_ray.slots import SlotRegistry
 from dspark_ray.tokenizer import Tokenizer, check_compatible
@@ -51,13 +53,27 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
 
     ``vocab_limit``: the tokenizer's vocabulary size; models may pad their
     embeddings past it, and those ids must never come out.
+    Raises ContextTooLong if ``max_context`` exceeds the model's context length
+    (``dspark_ray.model.rope.max_context_length``). On CUDA the KV pool takes the memory the
+    weights leave (``kv_pool_tokens`` unless set), and a deployment that cannot fit raises
+    ``MemoryPlanError`` before any weight is read (engine/memory_budget.py).
     """
+    model_config = ModelConfig.from_path(config.model)
+    refuse_cached(model_config, "the target's paged KV pool")  # before any weight is read
+    check_max_context(model_config, config.max_context)
+    plan = None
+    if torch.device(config.device).type == "cuda":  # refuse what cannot fit before any weight is read
+        from dspark_ray.engine.memory_budget import check_fits, cuda_pool_tokens  # it imports this module
+
+        plan = check_fits(config, tp)
     model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp)
-    return TargetRunner(model, config.capacity, config.max_context, config.kv_tokens + 1, config.spec_tokens,
+    kv_tokens = config.kv_tokens if plan is None else cuda_pool_tokens(config, plan, tp)
+    return TargetRunner(model, config.capacity, config.max_context, kv_tokens + 1, config.spec_tokens,
                         vocab_limit, PREFIX_BLOCK if config.enable_prefix_caching else None)
 
 
 def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:
+    refuse_cached(ModelConfig.from_path(config.draft), "the draft's window cache")  # before any weight is read
     model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device)
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
     grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))

@@ -35,6 +35,7 @@ from dspark_ray.engine.logprobs import token_logprobs
 from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
+from dspark_ray.model.mla import refuse_cached
 from dspark_ray.slots import ReqToTokenTable
 from dspark_ray.slots.prefix_cache import CachedTable, PrefixCache
 
@@ -160,6 +161,7 @@ class TargetRunner:
         self.device, self.dtype = param.device, param.dtype
         self.table = ReqToTokenTable(capacity, max_context, kv_pool_size, self.device)
         cfg = model.config
+        refuse_cached(cfg, "the target's paged KV pool")
         kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
         shape = (kv_pool_size, kv_heads, cfg.head_dim)
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]

@@ -1,13 +1,15 @@
-"""The model: a Llama-family decoder in plain PyTorch and its checkpoint loader."""
+"""The model: a Llama-family decoder (dense or mixture-of-experts) in plain PyTorch and its loader."""
 
-from dspark_ray.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from dspark_ray.model.config import SUPPORTED_ARCHITECTURES, MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from dspark_ray.model.errors import (
     CheckpointFileMissing,
+    ContextTooLong,
     ModelLoadError,
     TensorMissing,
     TensorShapeMismatch,
     UnsupportedArchitecture,
     UnsupportedDtype,
+    UnsupportedQuantization,
 )
 from dspark_ray.model.llama import CausalAttention, CausalLM
 from dspark_ray.model.loader import load
@@ -17,12 +19,16 @@ __all__ = [
     "CausalAttention",
     "CausalLM",
     "CheckpointFileMissing",
+    "ContextTooLong",
+    "MlaConfig",
     "ModelConfig",
     "ModelLoadError",
+    "MoeConfig",
     "RopeScaling",
     "TensorMissing",
     "TensorShapeMismatch",
     "UnsupportedArchitecture",
     "UnsupportedDtype",
+    "UnsupportedQuantization",
     "load",
 ]

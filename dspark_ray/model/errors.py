@@ -25,3 +25,11 @@ class TensorShapeMismatch(ModelLoadError):
 
 class UnsupportedDtype(ModelLoadError):
     """The requested dtype cannot run on the requested device."""
+
+
+class UnsupportedQuantization(ModelLoadError):
+    """config.json's quantization_config (or the weights it describes) cannot be loaded."""
+
+
+class ContextTooLong(ModelLoadError):
+    """The configured max_context exceeds the context length the model supports."""

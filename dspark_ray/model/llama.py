@@ -1,7 +1,11 @@
 """A decoder-only transformer for the Llama family, in plain PyTorch.
 
 One implementation serves LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm).
+Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm), and
+their mixture-of-experts relatives Qwen3MoeForCausalLM and MixtralForCausalLM,
+whose sparse layers put a ``dspark_ray.model.moe.SparseMoE`` where the MLP is,
+and DeepseekV3ForCausalLM (also ``dspark_ray.model.mla.LatentAttention``; the
+plain model only: the paged target refuses it).
 Module names match the Hugging Face checkpoints (``model.layers.N.self_attn.
 q_proj`` ...), so ``state_dict()`` keys are the safetensors keys.
 
@@ -15,14 +19,15 @@ are read from the projection shapes at run time rather than from the config.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_ray.model.config import ModelConfig, RopeScaling
+from dspark_ray.model.config import ModelConfig
+from dspark_ray.model.moe import SparseMoE, expert_names
+from dspark_ray.model.rope import rope_attention_scaling, rope_inv_freq
 
 
 class Attention(Protocol):
@@ -78,28 +83,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies [D/2] in float32, rescaled as ``rope_scaling`` says."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling.kind == "linear":
-        inv_freq = inv_freq / scaling.factor
-    elif scaling.kind == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
-        # and the band between is interpolated smoothly.
-        old_ctx = scaling.original_max_position_embeddings
-        low_wavelen = old_ctx / scaling.low_freq_factor
-        high_wavelen = old_ctx / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq.float()
-
-
 def apply_rope(
     x: torch.Tensor,  # [B, T, H, D]
     cos: torch.Tensor,  # [B, T, D]
@@ -152,13 +135,18 @@ class FusedLinears:
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
-    """q/k/v and gate/up of every layer as one matmul each (see FusedLinears); in place, after loading."""
+    """q/k/v and gate/up of every layer as one matmul each (see FusedLinears), the experts of a
+    sparse layer stacked (``SparseMoE.stack_experts``); in place, after loading."""
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj]
-        if len({lin.bias is None for lin in linears}) == 1:  # all with a bias or none
+        attn, mlp = layer.self_attn, layer.ffn
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj] if isinstance(attn, SelfAttention) else []  # not MLA
+        # All with a bias or none, and none with a matmul of its own (an FP8 weight, dspark_ray/model/fp8.py).
+        if linears and len({lin.bias is None for lin in linears}) == 1 and all(lin.gemm is None for lin in linears):
             attn.fused_qkv = FusedLinears(linears)
-        mlp.fused_gate_up = FusedLinears([mlp.gate_proj, mlp.up_proj])
+        if isinstance(mlp, SparseMoE):
+            mlp.stack_experts()
+        elif mlp.gate_proj.gemm is None and mlp.up_proj.gemm is None:
+            mlp.fused_gate_up = FusedLinears([mlp.gate_proj, mlp.up_proj])
     return model
 
 
@@ -220,23 +208,40 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg)
+        if cfg.mla is not None:  # DeepSeek-V3 (imported here: mla.py builds on this module)
+            from dspark_ray.model.mla import LatentAttention
+
+            self.self_attn = LatentAttention(cfg)
+        else:
+            self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # The feed-forward block, under the checkpoint's name: "mlp", or Mixtral's "block_sparse_moe".
+        self.ffn_name = "mlp"
+        if cfg.is_sparse(index):
+            names = expert_names(cfg.architecture)
+            self.ffn_name = names.block
+            setattr(self, names.block, SparseMoE(cfg.hidden_size, cfg.moe, names))
+        else:
+            self.mlp = MLP(cfg)
+
+    @property
+    def ffn(self) -> MLP | SparseMoE:
+        """The feed-forward block (dense MLP or SparseMoE), whatever its checkpoint name."""
+        return getattr(self, self.ffn_name)
 
     def forward(self, layer: int, x, cos, sin, attention: Attention) -> torch.Tensor:
         x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -255,11 +260,14 @@ class CausalLM(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
+        self.attention_scaling = rope_attention_scaling(cfg.rope_scaling)  # YaRN's; 1.0 otherwise
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] for ``positions`` [B, T], computed in float32."""
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling != 1.0:
+            return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def hidden_states(

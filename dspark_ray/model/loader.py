@@ -4,6 +4,9 @@ Reads ``config.json``, then either ``model.safetensors`` or the shards listed
 in ``model.safetensors.index.json``. The module is built on the meta device
 and materialised directly in the requested dtype and device, so no random
 initialisation is ever computed for weights that are about to be overwritten.
+Block-wise FP8 checkpoints (config.json's ``quantization_config``) are
+dequantised as they are read, or kept in FP8 on CUDA where a block-scaled
+matmul runs (``dspark_ray.model.fp8``).
 Every failure is a named ``ModelLoadError`` that says what to fix.
 """
 
@@ -25,7 +28,9 @@ from dspark_ray.model.errors import (
     UnsupportedDtype,
 )
 from dspark_ray.model.cpu_gemm import pack_weights
-from dspark_ray.model.llama import CausalLM, fuse_projections, rope_inv_freq
+from dspark_ray.model.fp8 import Fp8Checkpoint, refuse_unscaled_float8
+from dspark_ray.model.llama import CausalLM, fuse_projections
+from dspark_ray.model.rope import rope_inv_freq
 from dspark_ray.model.tp import TensorParallel, shard, shard_slice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,16 +130,20 @@ def load(
         model = CausalLM(cfg)
         if tp is not None:
             shard(model, tp)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    fp8 = Fp8Checkpoint.open(path, files, model)  # None unless config.json has a quantization_config
+    if fp8 is not None:
+        fp8.keep_quantized(model, device, dtype)  # CUDA: FP8 weights and scaled matmuls where they run
+    model = model.to_empty(device=device)
     # Rotary frequencies stay float32 whatever the weights' dtype: in bfloat16
     # they carry 3 significant digits and angles drift visibly by position ~100.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    _fill_parameters(model, files, path)
+    _fill_parameters(model, files, path, fp8)
     model = fuse_projections(model.eval().requires_grad_(False))
     return pack_weights(model) if pack else model
 
 
-def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:
+def _fill_parameters(model: CausalLM, files: list[Path], path: Path, fp8: Fp8Checkpoint | None = None) -> None:
     params = dict(model.named_parameters())
     pending = set(params)
     total = sum(f.stat().st_size for f in files)
@@ -146,6 +155,8 @@ def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:
                     tensor = f.get_slice(name)
                     shape = tuple(tensor.get_shape())
                     bar.update(file.stat().st_size // max(1, len(f.keys())))
+                    if fp8 is not None and fp8.is_companion(name):
+                        continue  # a scale, read with its weight
                     if name not in params:
                         if _ignorable(model, name):
                             continue
@@ -153,7 +164,7 @@ def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:
                             f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
                             "check that config.json matches the weights"
                         )
-                    _copy_param(model, name, params[name], tensor, shape)
+                    _copy_param(model, name, params[name], tensor, shape, fp8)
                     pending.discard(name)
     if pending:
         names = sorted(pending)
@@ -164,10 +175,20 @@ def _fill_parameters(model: CausalLM, files: list[Path], path: Path) -> None:
 
 
 def _ignorable(model: CausalLM, name: str) -> bool:
-    return (name == "lm_head.weight" and model.lm_head is None) or name.endswith(_IGNORED_SUFFIXES)
+    return ((name == "lm_head.weight" and model.lm_head is None) or name.endswith(_IGNORED_SUFFIXES)
+            or _multi_token_prediction_layer(model, name))
 
 
-def _copy_param(model: CausalLM, name: str, param: torch.nn.Parameter, tensor, shape: tuple[int, ...]) -> None:
+def _multi_token_prediction_layer(model: CausalLM, name: str) -> bool:
+    """DeepSeek-V3 checkpoints store their multi-token-prediction module as the layers after the
+    last one (``model.layers.61.*``); decoding does not use it (transformers skips it too)."""
+    if model.config.mla is None or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".")[2]) >= model.config.num_layers
+
+
+def _copy_param(model: CausalLM, name: str, param: torch.nn.Parameter, tensor, shape: tuple[int, ...],
+                fp8: Fp8Checkpoint | None = None) -> None:
     """Copy checkpoint tensor ``name`` (a safetensors slice handle) into ``param``, only this rank's part."""
     index = shard_slice(model, name, shape)
     expected = tuple(param.shape)
@@ -182,6 +203,10 @@ def _copy_param(model: CausalLM, name: str, param: torch.nn.Parameter, tensor, s
             "check hidden_size/heads/head_dim in config.json"
         )
     with torch.no_grad():
+        if fp8 is not None and fp8.is_quantized(name):
+            fp8.copy(model, name, param, tensor, index)
+            return
+        refuse_unscaled_float8(name, tensor)
         param.copy_(tensor[index] if index is not None else tensor[:])
 
 

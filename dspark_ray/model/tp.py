@@ -8,6 +8,17 @@ all-reduce). Embeddings, norms and the LM head stay replicated, so every rank
 ends with identical hidden states and logits. The model code itself is
 unchanged: attention reads head counts from the projection shapes.
 
+Mixture-of-experts layers are sliced the same way, expert by expert: each
+rank holds a column block of every expert's gate/up and the matching row block
+of its down projection (``ExpertShard``), the router stays replicated, and the
+block's output is all-reduced once. The alternative, whole experts per rank
+(expert parallelism), needs the same one all-reduce per layer but leaves the
+ranks unevenly loaded whenever a token's top-k experts are not split evenly
+between them; at the small decode batches of two DGX Sparks over ConnectX-7,
+with a handful of experts active per step, the step waits for the busier rank
+(with top-8 of many experts on 2 ranks, about 5 of the 8 on average), while
+slicing every expert halves each rank's weight reads exactly.
+
 Run on the meta device before loading, so that each rank allocates and reads
 only its slices of the checkpoint (``shard_slice`` tells the loader which).
 """
@@ -26,8 +37,9 @@ from torch import nn
 
 from dspark_ray.model.errors import ModelLoadError
 from dspark_ray.model.llama import CausalLM, Linear
+from dspark_ray.model.moe import SparseMoE
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")  # the last two: MLA
 _ROW = ("o_proj", "down_proj")
 
 
@@ -77,6 +89,14 @@ class TensorParallel:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"tensor-parallel rank {self.rank} is outside 0..{self.world_size - 1}")
 
+    def all_reduce(self, y: torch.Tensor) -> None:
+        """Sum ``y`` over the ranks, in place (timed when a timer is set)."""
+        if self.timer is None:
+            dist.all_reduce(y, group=self.group)
+        else:
+            with self.timer.time(y):
+                dist.all_reduce(y, group=self.group)
+
 
 class ColumnParallelLinear(Linear):
     """Holds rows [rank*out/w, (rank+1)*out/w) of the weight; output stays sharded."""
@@ -100,12 +120,19 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gemm(x) if self.gemm is not None else F.linear(x, self.weight)
         if self.tp.world_size > 1:
-            if self.tp.timer is None:
-                dist.all_reduce(y, group=self.tp.group)
-            else:
-                with self.tp.timer.time(y):
-                    dist.all_reduce(y, group=self.tp.group)
+            self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+class ExpertShard(nn.Linear):
+    """One expert projection's slice: rows (``dim`` 0, gate/up) or columns (``dim`` 1, down) of the
+    checkpoint's weight. It only holds the slice; ``SparseMoE`` computes with it and all-reduces."""
+
+    def __init__(self, full: nn.Linear, tp: TensorParallel, dim: int) -> None:
+        out = full.out_features // tp.world_size if dim == 0 else full.out_features
+        inp = full.in_features // tp.world_size if dim == 1 else full.in_features
+        super().__init__(inp, out, bias=False, device=full.weight.device, dtype=full.weight.dtype)
+        self.tp, self.dim = tp, dim
 
 
 def shard(model: CausalLM, tp: TensorParallel) -> CausalLM:
@@ -113,7 +140,8 @@ def shard(model: CausalLM, tp: TensorParallel) -> CausalLM:
     cfg = model.config
     w = tp.world_size
     for what, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+                    ("intermediate_size", cfg.intermediate_size),
+                    ("moe_intermediate_size", cfg.moe.intermediate_size if cfg.moe else 0)):
         if n % w:
             raise ModelLoadError(
                 f"{what} ({n}) is not divisible by tensor_parallel_size {w}; choose a size that divides it"
@@ -121,7 +149,9 @@ def shard(model: CausalLM, tp: TensorParallel) -> CausalLM:
     if w == 1:
         return model
     for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
+        if isinstance(layer.ffn, SparseMoE):
+            _shard_experts(layer.ffn, tp)
+        for parent in (layer.self_attn, layer.ffn):
             for name in _COLUMN + _ROW:
                 full = getattr(parent, name, None)
                 if full is None:
@@ -131,12 +161,25 @@ def shard(model: CausalLM, tp: TensorParallel) -> CausalLM:
     return model
 
 
+def _shard_experts(moe: SparseMoE, tp: TensorParallel) -> None:
+    """Every expert (the shared one too) sliced as a dense MLP is (gate/up by rows, down by columns);
+    one all-reduce for the block."""
+    shared = [] if moe.shared_experts is None else [moe.shared_experts]
+    for expert in [*moe.experts, *shared]:
+        names = expert.names
+        for name, dim in ((names.gate, 0), (names.up, 0), (names.down, 1)):
+            setattr(expert, name, ExpertShard(getattr(expert, name), tp, dim))
+    moe.tp = tp
+
+
 def shard_slice(model: nn.Module, param_name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
     """The slice of checkpoint tensor ``param_name`` (full ``shape``) this rank holds, or None if whole."""
     module_name, _, kind = param_name.rpartition(".")
     module = model.get_submodule(module_name)
     if isinstance(module, ColumnParallelLinear):
         dim = 0
+    elif isinstance(module, ExpertShard):
+        dim = module.dim
     elif isinstance(module, RowParallelLinear) and kind == "weight":
         dim = 1
     else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dspark_ray.engine.config import EngineConfig
 
@@ -73,8 +73,17 @@ class AppConfig(BaseModel):
     )
     max_context: int = Field(512, ge=2, description="Prompt plus output tokens per request.")
     kv_pool_tokens: int | None = Field(
-        None, description="Target KV pool per replica in tokens; null sizes it from the replica's slots "
-        "(replica_capacity) and max_context."
+        None, description="Target KV pool per replica in tokens. null: on cuda, the memory each GPU has left "
+        "after the weights (memory_utilization), at most what every slot (replica_capacity) at full context "
+        "needs; on cpu, a quarter of replica_capacity x max_context."
+    )
+    memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="The share of memory one replica may plan to use (weights, KV cache, "
+        "workspace): on cuda, of each GPU's memory (on a DGX Spark, the box's unified memory, which the system "
+        "shares); on cpu, of the host's memory available when the config is validated. A deployment that cannot "
+        "fit is refused with the numbers and what would fit (dspark_ray/model/memory.py; `dspark plan`): on cpu "
+        "here, on cuda by each target shard before it loads weights. Lower it when other processes share the "
+        "device; raise it (at most 1) for a larger KV pool.",
     )
     max_num_seqs: int = Field(32, ge=1, description="Requests in one engine step.")
     max_num_batched_tokens: int = Field(
@@ -257,6 +266,32 @@ class AppConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fits_memory(self, info: ValidationInfo) -> AppConfig:
+        """Refuse a deployment that cannot fit, with the planner's numbers and what would fit.
+
+        On cpu against this host's available memory; on cuda the GPUs are not visible here, so each
+        target shard checks its own before it loads weights (engine/memory_budget.py). A validation
+        context's ``memory_bytes`` (``AppConfig.model_validate(args, context={"memory_bytes": n})``)
+        plans against ``n`` bytes per device instead, on either.
+        """
+        memory = (info.context or {}).get("memory_bytes")
+        if self.device == "cuda" and memory is None:
+            return self
+        plan = self.memory_plan(memory)
+        if not plan.fits:
+            raise ValueError(plan.message())
+        return self
+
+    def memory_plan(self, memory_bytes: int | None = None):
+        """One replica's memory plan (dspark_ray/model/memory.py: MemoryPlan) with ``memory_bytes`` per
+        device (None: measured here). STRICT_SPREAD puts one rank per node, other strategies all on one."""
+        from dspark_ray.engine.memory_budget import memory_plan
+
+        tp = self.tensor_parallel_size
+        return memory_plan(self.engine_config(), tp, tp if self.placement_strategy == "STRICT_SPREAD" else 1,
+                           memory_bytes, self.memory_utilization)
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
@@ -295,4 +330,5 @@ class AppConfig(BaseModel):
             device=self.device,
             pipeline=self.pipeline,
             enable_prefix_caching=self.enable_prefix_caching,
+            memory_utilization=self.memory_utilization,
         )
