@@ -3,6 +3,7 @@
     .venv/bin/python bench/spec.py                 # shipped pair, batches 1 8 32
     .venv/bin/python bench/spec.py --batches 1 --max-tokens 128
     python bench/spec.py --device cuda --no-transformers      # on a GPU box
+    python bench/spec.py --device cuda --no-transformers --paged-attention  # the Triton paged kernel
 
 Every configuration generates a fixed number of tokens (ignore_eos) from
 held-out prompts, greedily. Batch 1 runs several prompts one after another;
@@ -67,8 +68,14 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's (bf16) on CUDA")
+    ap.add_argument("--paged-attention", action="store_true",
+                    help="on CUDA, the target attends with the Triton paged kernel instead of gather + SDPA")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.paged_attention:
+        from dspark_ray.engine import target_runner
+
+        target_runner.PAGED_KERNEL = True
 
     common = dict(max_context=512, capacity=64, max_num_seqs=64, device=args.device, dtype=args.dtype)
     base = LLM(str(TARGET), None, **common)
@@ -81,10 +88,12 @@ def main() -> None:
         print(table(rows[-2:], baseline).split("\n", 2)[2], flush=True)
     if 1 in args.batches and not args.no_transformers and args.device == "cpu":
         rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
-    md = (f"Machine: {machine(args.device)}, dtype {args.dtype}; {args.max_tokens} greedy tokens per request "
-          f"from held-out prompts.\n\n" + table(rows, baseline))
+    attention = "the paged kernel" if args.paged_attention and args.device != "cpu" else "gather + SDPA"
+    md = (f"Machine: {machine(args.device)}, dtype {args.dtype}, target attention: {attention}; "
+          f"{args.max_tokens} greedy tokens per request from held-out prompts.\n\n" + table(rows, baseline))
     print("\n" + md)
-    save("spec-cuda" if args.device != "cpu" else "spec", rows, md, args.device)
+    name = "spec-cuda" + ("-paged" if args.paged_attention else "") if args.device != "cpu" else "spec"
+    save(name, rows, md, args.device)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The CPU suite checks the kernels under Triton's interpreter; this file checks
 what production runs: the compiled kernels on a real device, at serving
 shapes (head_dim 64/128, GQA, bf16/fp16/fp32, batches up to 64, rings that
-wrap, reused slots whose stale entries are NaN). It is skipped where there is
+wrap, reused slots whose stale entries are NaN, the target's paged KV at
+contexts up to 2048 with and without split-K). It is skipped where there is
 no CUDA device (CI); on a GPU box `bash tests/run.sh` runs it.
 
 The reference each kernel is compared with is the one the CPU suite checks
@@ -21,6 +22,7 @@ import torch
 from dspark_kernels import ops, reference
 from dspark_kernels.testing import (
     make_attention_case,
+    make_paged_attention_case,
     make_rejection_case,
     make_ring_write_case,
     refuse_references,
@@ -36,6 +38,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 REFERENCE = {
     "ring_write": reference.ring_write,
     "window_attention": reference.window_attention,
+    "paged_attention": reference.paged_attention,
     "rejection": reference.rejection_sample,
 }
 
@@ -56,7 +59,7 @@ def _compiled_only(request):
 def triton_only(monkeypatch):
     """Force the Triton backend; reaching any reference fails the test."""
 
-    refuse_references(monkeypatch, "ring_write", "window_attention", "rejection_sample")
+    refuse_references(monkeypatch, "ring_write", "window_attention", "paged_attention", "rejection_sample")
     with ops.use_backend("triton"):
         yield
 
@@ -114,6 +117,34 @@ def test_window_attention_matches_reference(triton_only, batch, steps, num_heads
     assert torch.isfinite(got).all()
     padding = case.positions < 0
     assert (got[padding] == 0).all()
+    torch.testing.assert_close(got.float(), want.float(), **_attention_tolerance(dtype))
+
+
+PAGED_GRID = [
+    # batch, steps, num_heads, kv_heads, head_dim, max_context, window, num_splits (None: heuristic), dtype
+    (1, 1, 32, 8, 128, 2048, None, None, torch.bfloat16),  # small batch, long context: split-K
+    (1, 5, 32, 8, 128, 2048, None, 1, torch.bfloat16),
+    (8, 5, 32, 8, 128, 2048, None, None, torch.bfloat16),
+    (32, 5, 32, 8, 128, 2048, None, None, torch.bfloat16),  # issue 20's target shape
+    (64, 1, 32, 8, 64, 512, None, None, torch.bfloat16),
+    (4, 5, 32, 8, 128, 1500, 256, None, torch.bfloat16),  # Mistral's sliding window
+    (3, 3, 16, 16, 64, 700, None, 4, torch.float16),
+    (5, 4, 8, 2, 64, 300, 37, 2, torch.float32),
+    (2, 2, 4, 2, 64, 80, None, None, torch.float32),  # the shipped target's heads
+]
+
+
+@pytest.mark.parametrize("batch,steps,num_heads,kv_heads,head_dim,max_context,window,splits,dtype", PAGED_GRID)
+def test_paged_attention_matches_reference(triton_only, batch, steps, num_heads, kv_heads, head_dim, max_context,
+                                           window, splits, dtype):
+    case = make_paged_attention_case(batch, steps, num_heads, kv_heads, head_dim, max_context=max_context,
+                                     window=window, dtype=dtype, device="cuda", seed=batch + steps)
+    got = ops.paged_attention(*case.args(), num_splits=splits)
+    want = REFERENCE["paged_attention"](*case.args())
+    torch.cuda.synchronize()
+    # Pool tokens no row owns are NaN: a finite result shows nothing else was read.
+    assert torch.isfinite(got).all()
+    assert (got[case.positions < 0] == 0).all()
     torch.testing.assert_close(got.float(), want.float(), **_attention_tolerance(dtype))
 
 

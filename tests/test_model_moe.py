@@ -1,4 +1,4 @@
-"""Mixture-of-experts targets (Qwen3-MoE, Mixtral; DeepSeek-V3 as a plain model): parity with
+"""Mixture-of-experts targets (Qwen3-MoE, Mixtral; DeepSeek-V3's plain model): parity with
 transformers, batched experts, tensor parallel 2, the engine with speculation, and bad configs.
 
 Checkpoints are tiny random models saved with transformers (``conftest.save_tiny_checkpoint``,
@@ -524,31 +524,21 @@ def test_deepseek_v3_tensor_parallel_2_equals_transformers(tmp_path):
         assert (got["logits"] - expected).abs().max() <= 1e-4
 
 
-def test_deepseek_v3_is_refused_by_the_paged_target(tmp_path):
-    from dspark_ray.engine.target_runner import TargetRunner
-
-    save_deepseek(tmp_path / "ckpt")
-    model = load(tmp_path / "ckpt", dtype="float32")
-    with pytest.raises(UnsupportedArchitecture, match="multi-head latent attention.*paged KV pool"):
-        TargetRunner(model, capacity=2, max_context=32, kv_pool_size=65, max_spec_tokens=0)
-
-
-def test_deepseek_v3_is_refused_before_any_weight_is_read(tmp_path):
-    """A real DeepSeek-V3 checkpoint is hundreds of GB: the engine refuses it from config.json alone.
-    The folder here has the config and no weights at all, so a load would fail differently."""
+def test_deepseek_v3_is_refused_as_the_draft_before_any_weight_is_read(tmp_path):
+    """A real DeepSeek-V3 checkpoint is hundreds of GB: the engine refuses it as the draft (whose window
+    cache holds per-head K/V) from config.json alone. The folder here has the config and no weights at
+    all, so a load would fail differently. As the target it is served (tests/test_mla_serving.py)."""
     import shutil
 
     from dspark_ray.engine.config import EngineConfig
-    from dspark_ray.engine.local import make_draft_proposer, make_target_runner
+    from dspark_ray.engine.local import make_draft_proposer
 
     save_deepseek(tmp_path / "ckpt")
     bare = tmp_path / "config-only"
     bare.mkdir()
     shutil.copy(tmp_path / "ckpt" / "config.json", bare / "config.json")
     config = EngineConfig(model=str(bare), draft=str(bare), max_context=32)
-    with pytest.raises(UnsupportedArchitecture, match="multi-head latent attention.*paged KV pool"):
-        make_target_runner(config, None)
-    with pytest.raises(UnsupportedArchitecture, match="multi-head latent attention.*window cache"):
+    with pytest.raises(UnsupportedArchitecture, match="multi-head latent attention.*cannot be the draft.*not a use case.*small dense draft"):
         make_draft_proposer(config, None)
 
 

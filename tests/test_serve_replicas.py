@@ -313,7 +313,7 @@ def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_fin
     try:
         r = client.post("/admin/drain")
         assert r.status_code == 200 and r.json()["draining"] is True, r.text
-        assert wait_for(lambda: all(a == (503, "draining") for a in answered()), 5), answered()
+        assert wait_for(lambda: all(a == (503, "draining") for a in answered()), 15), answered()
         r = client.post("/v1/completions", json={"model": two_replicas.model, "prompt": "x", "max_tokens": 1})
         assert r.headers.get("retry-after") and "draining" in r.json()["error"]["message"], r.text
         health = client.get("/health")
@@ -324,7 +324,7 @@ def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_fin
     finally:
         r = client.post("/admin/resume")
     assert r.status_code == 200 and r.json()["draining"] is False, r.text
-    assert wait_for(lambda: all(a == (200, None) for a in answered()), 5), answered()
+    assert wait_for(lambda: all(a == (200, None) for a in answered()), 15), answered()
     assert client.get("/health").json()["status"] == "ok"
     drained()
 

@@ -22,7 +22,7 @@ from dspark_ray.engine.logits_rules import apply_rules, needs_rules
 from dspark_ray.engine.structured import SlotGrammars, fill_mask, unpack
 from dspark_ray.engine.verifier import mask_vocab, sample_draft_tokens
 from dspark_ray.model.llama import CausalAttention, CausalLM
-from dspark_ray.model.mla import refuse_cached
+from dspark_ray.model.mla import refuse_as_draft
 from dspark_ray.slots import DraftWindowCache
 
 
@@ -83,7 +83,7 @@ class DraftProposer:
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < cfg.vocab_size else None
         param = next(model.parameters())
         self.device = param.device
-        refuse_cached(cfg, "the draft's window cache")
+        refuse_as_draft(cfg)
         kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
         self.max_spec_tokens = max_spec_tokens
         self.cache = DraftWindowCache(cfg.num_layers, capacity, window, max_spec_tokens, kv_heads,

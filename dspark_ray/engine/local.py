@@ -16,7 +16,7 @@ from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
 from dspark_ray.model import ModelConfig, load
 from dspark_ray.model.rope import check_max_context
-from dspark_ray.model.mla import refuse_cached
+from dspark_ray.model.mla import refuse_as_draft
 from dspark_ray.model.tp import TensorParallel
 from dspark_ray.slots import SlotRegistry
 from dspark_ray.tokenizer import Tokenizer, check_compatible
@@ -59,7 +59,6 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
     ``MemoryPlanError`` before any weight is read (engine/memory_budget.py).
     """
     model_config = ModelConfig.from_path(config.model)
-    refuse_cached(model_config, "the target's paged KV pool")  # before any weight is read
     check_max_context(model_config, config.max_context)
     plan = None
     if torch.device(config.device).type == "cuda":  # refuse what cannot fit before any weight is read
@@ -73,7 +72,7 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
 
 
 def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:
-    refuse_cached(ModelConfig.from_path(config.draft), "the draft's window cache")  # before any weight is read
+    refuse_as_draft(ModelConfig.from_path(config.draft))  # before any weight is read
     model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device)
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
     grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))

@@ -7,7 +7,9 @@ tokens and no drafts; a partial prefill (``VerifyRow.chunk``) feeds at most
 its chunk, keeps the KV of everything it fed and emits nothing.
 
 KV layout (SGLang's three levels): slot -> ``ReqToTokenTable`` row ->
-token indices -> per-layer K/V pools ``[kv_pool_size, kv_heads, head_dim]``.
+token indices -> per-layer K/V pools ``[kv_pool_size, kv_heads, head_dim]`` (a
+multi-head-latent-attention model, DeepSeek-V3: per-layer latent pools instead,
+``LatentKVPool`` in latent_attention.py, addressed the same way).
 Token index 0 and table row 0 are padding, so a padded batch entry writes
 and reads only the padding token. Rollback after rejection is
 ``ReqToTokenTable.truncate`` — a length change.
@@ -28,14 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dspark_kernels import ops
 from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
+from dspark_ray.engine.latent_attention import LatentKVPool
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
 from dspark_ray.engine.structured import apply_masks
 from dspark_ray.engine.logprobs import token_logprobs
 from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
-from dspark_ray.model.mla import refuse_cached
 from dspark_ray.slots import ReqToTokenTable
 from dspark_ray.slots.prefix_cache import CachedTable, PrefixCache
 
@@ -51,6 +54,11 @@ KEY_BUCKET = 64
 # Tokens per prefix-cache block (vLLM's default block size).
 PREFIX_BLOCK = 16
 CUDA_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# True: on CUDA the target attends with the Triton paged kernel (dspark_kernels.paged_attention),
+# which reads K/V through the request-to-token table in place; False: gather + SDPA, the path CPUs
+# always take. Off until a GPU run has checked the compiled kernel against its reference (issue 20:
+# it is tested under Triton's interpreter only); bench/gpu_check.sh runs both.
+PAGED_KERNEL = False
 
 
 class StaleSlotState(RuntimeError):
@@ -84,9 +92,16 @@ class PackedAttention:
         v_pools: list[torch.Tensor],
         write_index: torch.Tensor,  # [N] int64 pool index of each new token
         groups: list[AttentionGroup],
+        sliding_window: int | None = None,
+        paged: bool | None = None,
     ) -> None:
+        """``paged``: attend with the Triton paged kernel, which reads K/V through the table in place;
+        False: gather + SDPA; None: the kernel on CUDA when ``PAGED_KERNEL`` allows it, never on CPU."""
         self.k_pools, self.v_pools = k_pools, v_pools
         self.write_index, self.groups = write_index, groups
+        self.sliding_window = sliding_window
+        self.paged = PAGED_KERNEL and write_index.is_cuda if paged is None else paged
+        self._paged_inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group (rows, positions)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
@@ -95,25 +110,53 @@ class PackedAttention:
         q = q[0]  # [N, Hq, D]
         out = torch.empty_like(q)
         n_rep = q.shape[1] // k.shape[2]
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             if g.whole:  # every row the same length (a decode step, or one row): no gather, no scatter
                 qg = q.view(*g.queries.shape, *q.shape[1:])
             else:
                 qg = _rows(q, g.queries)  # [G, T, Hq, D]
-            keys = _rows(k_pool, g.key_index).transpose(1, 2)  # [G, Hkv, L, D]
-            values = _rows(v_pool, g.key_index).transpose(1, 2)
-            gqa = {}
-            if n_rep > 1 and q.is_cuda:  # the pinned CUDA kernels take equal head counts
-                keys = keys.repeat_interleave(n_rep, dim=1)
-                values = values.repeat_interleave(n_rep, dim=1)
-            elif n_rep > 1:  # on CPU the kernel shares each K/V head itself, without the copies
-                gqa = {"enable_gqa": True}
-            res = F.scaled_dot_product_attention(qg.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                                 attn_mask=g.mask, **gqa)  # [G, Hq, T, D]
+            if self.paged:
+                res = self._paged(i, qg, k_pool, v_pool)  # [G, T, Hq, D]
+            else:
+                res = self._gathered(g, qg, k_pool, v_pool, n_rep)
             if g.whole:
-                return res.transpose(1, 2).reshape(1, *q.shape)
-            out[g.queries[g.valid]] = res.transpose(1, 2)[g.valid]
+                return res.reshape(1, *q.shape)
+            out[g.queries[g.valid]] = res[g.valid]
         return out[None]  # [1, N, Hq, D]
+
+    @staticmethod
+    def _gathered(g: AttentionGroup, qg: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  n_rep: int) -> torch.Tensor:  # [G, T, Hq, D]
+        """The group's K/V gathered into contiguous rows, then SDPA with the group's mask."""
+        keys = _rows(k_pool, g.key_index).transpose(1, 2)  # [G, Hkv, L, D]
+        values = _rows(v_pool, g.key_index).transpose(1, 2)
+        gqa = {}
+        if n_rep > 1 and qg.is_cuda:  # the pinned CUDA kernels take equal head counts
+            keys = keys.repeat_interleave(n_rep, dim=1)
+            values = values.repeat_interleave(n_rep, dim=1)
+        elif n_rep > 1:  # on CPU the kernel shares each K/V head itself, without the copies
+            gqa = {"enable_gqa": True}
+        res = F.scaled_dot_product_attention(qg.transpose(1, 2), keys.to(qg.dtype), values.to(qg.dtype),
+                                             attn_mask=g.mask, **gqa)  # [G, Hq, T, D]
+        return res.transpose(1, 2)
+
+    def _paged(self, i: int, qg: torch.Tensor, k_pool: torch.Tensor,
+               v_pool: torch.Tensor) -> torch.Tensor:  # [G, T, Hq, D]
+        """The Triton paged kernel over group ``i``: the group's key_index rows are its table.
+
+        A query's position is the last key its mask lets it see (the mask is
+        ``kp <= p`` and the window, so key p itself always is); padding queries
+        get -1. Both are computed once per step, at the first layer."""
+        if len(self._paged_inputs) <= i:
+            g = self.groups[i]
+            key_pos = torch.arange(g.key_index.shape[1], device=g.mask.device)  # [L]
+            last = torch.where(g.mask[:, 0], key_pos, -1).amax(dim=-1)  # [G, T]
+            rows = torch.arange(g.key_index.shape[0], device=g.mask.device)  # [G]
+            self._paged_inputs.append((rows, torch.where(g.valid, last, -1)))
+        rows, positions = self._paged_inputs[i]
+        key_index = self.groups[i].key_index
+        return ops.paged_attention(qg.contiguous(), k_pool, v_pool, key_index, rows, positions,
+                                   qg.shape[-1] ** -0.5, self.sliding_window, max_keys=key_index.shape[1])
 
 
 def _rows(
@@ -161,11 +204,15 @@ class TargetRunner:
         self.device, self.dtype = param.device, param.dtype
         self.table = ReqToTokenTable(capacity, max_context, kv_pool_size, self.device)
         cfg = model.config
-        refuse_cached(cfg, "the target's paged KV pool")
-        kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
-        shape = (kv_pool_size, kv_heads, cfg.head_dim)
-        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        # MLA (DeepSeek-V3) keeps its compressed latent per token instead of per-head K/V.
+        self.latent = LatentKVPool(cfg, kv_pool_size, self.dtype, self.device) if cfg.mla is not None else None
+        self.k_pools: list[torch.Tensor] = []
+        self.v_pools: list[torch.Tensor] = []
+        if self.latent is None:
+            kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
+            shape = (kv_pool_size, kv_heads, cfg.head_dim)
+            self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+            self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.slot_epoch = [-1] * (capacity + 1)
         self.prefix_cache = PrefixCache(prefix_block, capacity) if prefix_block else None
         self.kv = CachedTable(self.table, self.prefix_cache)
@@ -288,7 +335,10 @@ class TargetRunner:
             tokens[offsets[b]:offsets[b + 1]] = torch.tensor(r.token_ids + drafts)
             positions[offsets[b]:offsets[b + 1]] = torch.arange(r.start, r.start + n)
         groups = [self._group(rows, counts, offsets, members) for members in group_rows(counts)]
-        attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups)
+        if self.latent is not None:
+            attention = self.latent.attention(indices.to(dev), groups)
+        else:
+            attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups, self.sliding_window)
         backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
         with backends:
             hidden = self.model.hidden_states(tokens[None].to(dev), positions[None].to(dev), attention)[0]  # [N, H]

@@ -4,8 +4,8 @@ One implementation serves LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm), and
 their mixture-of-experts relatives Qwen3MoeForCausalLM and MixtralForCausalLM,
 whose sparse layers put a ``dspark_ray.model.moe.SparseMoE`` where the MLP is,
-and DeepseekV3ForCausalLM (also ``dspark_ray.model.mla.LatentAttention``; the
-plain model only: the paged target refuses it).
+and DeepseekV3ForCausalLM (also ``dspark_ray.model.mla.LatentAttention``, whose
+cached form the paged target runs over a latent pool; not as a draft).
 Module names match the Hugging Face checkpoints (``model.layers.N.self_attn.
 q_proj`` ...), so ``state_dict()`` keys are the safetensors keys.
 

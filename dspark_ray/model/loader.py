@@ -30,6 +30,7 @@ from dspark_ray.model.errors import (
 from dspark_ray.model.cpu_gemm import pack_weights
 from dspark_ray.model.fp8 import Fp8Checkpoint, refuse_unscaled_float8
 from dspark_ray.model.llama import CausalLM, fuse_projections
+from dspark_ray.model.moe import Router
 from dspark_ray.model.rope import rope_inv_freq
 from dspark_ray.model.tp import TensorParallel, shard, shard_slice
 
@@ -131,6 +132,7 @@ def load(
         if tp is not None:
             shard(model, tp)
     model = model.to(dtype)
+    _keep_routers_float32(model)
     fp8 = Fp8Checkpoint.open(path, files, model)  # None unless config.json has a quantization_config
     if fp8 is not None:
         fp8.keep_quantized(model, device, dtype)  # CUDA: FP8 weights and scaled matmuls where they run
@@ -141,6 +143,15 @@ def load(
     _fill_parameters(model, files, path, fp8)
     model = fuse_projections(model.eval().requires_grad_(False))
     return pack_weights(model) if pack else model
+
+
+def _keep_routers_float32(model: CausalLM) -> None:
+    """DeepSeek-V3's router weight and selection bias stay float32 whatever the model's dtype, as
+    transformers keeps them (``_keep_in_fp32_modules_strict``): its sigmoid scores, biased and
+    compared across groups, pick other experts when the weight or the bias is rounded to bfloat16."""
+    for module in model.modules():
+        if isinstance(module, Router) and module.float32:
+            module.float()
 
 
 def _fill_parameters(model: CausalLM, files: list[Path], path: Path, fp8: Fp8Checkpoint | None = None) -> None:

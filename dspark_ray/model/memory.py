@@ -17,8 +17,8 @@ box's unified memory; on CPU one node's memory, shared by its ranks)::
 
 The KV pool is in the activations' dtype: GQA keeps K and V of each rank's
 K/V heads; MLA keeps the compressed latent (kv_lora_rank + qk_rope_head_dim a
-layer), whole on every rank, as a latent-attention runner would (the model
-code has none yet). Rank 0's device also holds the draft, so it binds: every
+layer), whole on every rank, as the target runner's latent pool does
+(dspark_ray/engine/latent_attention.py). Rank 0's device also holds the draft, so it binds: every
 rank's pool has the same size. Verdicts:
 
 - ``FITS``: the KV pool holds every slot at full context, capacity x

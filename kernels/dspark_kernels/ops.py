@@ -126,7 +126,7 @@ def _use_triton(module_name: str, device: torch.device) -> bool:
 
 
 def uses_triton(kernel: str, device: torch.device) -> bool:
-    """Whether ``kernel`` (ring_write, window_attention, rejection) runs as Triton on ``device``;
+    """Whether ``kernel`` (ring_write, window_attention, paged_attention, rejection) runs as Triton on ``device``;
     False: its torch reference (``dspark_kernels.reference``) runs."""
     return _use_triton(kernel, device)
 
@@ -246,6 +246,62 @@ def window_attention(
     return reference.window_attention(
         q, k_cache, v_cache, slots, positions, cache_lengths, window, scale
     )
+
+
+# ---------------------------------------------------------------------------
+# The target's paged attention through the request-to-token table
+# ---------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, T, num_heads, head_dim]
+    k_pool: torch.Tensor,  # [P, kv_heads, head_dim]
+    v_pool: torch.Tensor,  # [P, kv_heads, head_dim]
+    req_to_token: torch.Tensor,  # [R, C] int32/int64: pool index of each (table row, position)
+    rows: torch.Tensor,  # [B] int64 table row of each batch row (0: the padding row)
+    positions: torch.Tensor,  # [B, T] int64 query positions, < 0 = padding
+    scale: float,
+    window: int | None = None,
+    num_splits: int | None = None,
+    max_keys: int | None = None,
+) -> torch.Tensor:  # [B, T, num_heads, head_dim], q.dtype
+    """Decode/verify attention of 1..k+1 queries per row over the row's paged KV.
+
+    A query at position p attends to the key positions kp with
+    p - window < kp <= p (every kp <= p without a window), reading key kp
+    from pool index ``req_to_token[rows[b], kp]``: the causal order inside the
+    verified block, the optional sliding window (Mistral), and nothing past
+    the query. Heads are grouped (GQA): query head h reads kv head
+    h // (num_heads // kv_heads). Padding queries (p < 0) return zeros and
+    read nothing. Scores and softmax accumulate in float32 in the kernel; the
+    reference (the CPU path) is PackedAttention's gather + SDPA.
+
+    ``num_splits`` (Triton only): key splits per row (flash-decoding); None
+    picks them from the batch and ``max_keys``, a host-side upper bound on
+    any row's keys (default the table's width), so no device sync.
+    """
+    _check(q.dim() == 4, f"q: expected [B, T, num_heads, head_dim], got {tuple(q.shape)}")
+    _check(k_pool.dim() == 3, f"k_pool: expected [P, kv_heads, head_dim], got {tuple(k_pool.shape)}")
+    _check(req_to_token.dim() == 2, f"req_to_token: expected [R, C], got {tuple(req_to_token.shape)}")
+    B, T, num_heads, head_dim = q.shape
+    pool_tokens, kv_heads, _ = k_pool.shape
+    device = q.device
+    _check_tensor("q", q, (B, T, num_heads, head_dim), _FLOAT_DTYPES, device)
+    _check_tensor("k_pool", k_pool, (pool_tokens, kv_heads, head_dim), _FLOAT_DTYPES, device)
+    _check_tensor("v_pool", v_pool, (pool_tokens, kv_heads, head_dim), (k_pool.dtype,), device)
+    _check_tensor("req_to_token", req_to_token, req_to_token.shape, (torch.int32, torch.int64), device)
+    _check_tensor("rows", rows, (B,), (torch.int64,), device)
+    _check_tensor("positions", positions, (B, T), (torch.int64,), device)
+    _check(num_heads % kv_heads == 0, f"num_heads {num_heads} is not a multiple of kv_heads {kv_heads}")
+    _check(window is None or window >= 1, f"window {window} must be None (no window) or >= 1")
+    _check(num_splits is None or num_splits >= 1, f"num_splits {num_splits} must be None or >= 1")
+    if B == 0 or T == 0:
+        return torch.zeros_like(q)
+    if _use_triton("paged_attention", device):
+        return _kernel_module("paged_attention").paged_attention(
+            q, k_pool, v_pool, req_to_token, rows, positions, scale, window, num_splits, max_keys
+        )
+    return reference.paged_attention(q, k_pool, v_pool, req_to_token, rows, positions, scale, window)
 
 
 # ---------------------------------------------------------------------------

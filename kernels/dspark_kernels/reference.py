@@ -120,6 +120,43 @@ def window_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out.to(q.dtype)
 
 
+def paged_attention(
+    q: torch.Tensor,  # [B, T, num_heads, head_dim]
+    k_pool: torch.Tensor,  # [P, kv_heads, head_dim]
+    v_pool: torch.Tensor,  # [P, kv_heads, head_dim]
+    req_to_token: torch.Tensor,  # [R, C] int32/int64: pool index of (table row, position)
+    rows: torch.Tensor,  # [B] int64 table row of each batch row
+    positions: torch.Tensor,  # [B, T] int64 query positions, < 0 = padding
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:  # [B, T, num_heads, head_dim], q.dtype
+    """The target's decode/verify attention: gather each row's K/V through the table, then SDPA.
+
+    A query at position p attends to key positions kp with p - window < kp <= p
+    (no window: 0 <= kp <= p), key kp read at pool index
+    ``req_to_token[rows[b], kp]``. Padding queries (p < 0) return zeros. This
+    is what ``PackedAttention`` computes today (gather, boolean mask, SDPA in
+    q's dtype, K/V cast to it, heads grouped), with keys only up to the
+    batch's last query position instead of a bucketed length: masked keys add
+    nothing.
+    """
+    keys_len = max(int(positions.max()) + 1, 1)
+    key_index = req_to_token[rows, :keys_len].long()  # [B, L]
+    keys = k_pool[key_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    values = v_pool[key_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    p = positions[:, :, None]  # [B, T, 1]
+    kp = torch.arange(keys_len, device=q.device)  # [L]
+    visible = (p >= 0) & (kp <= p)  # [B, T, L]
+    if window is not None:
+        visible &= kp > p - window
+    live = visible.any(dim=-1)  # [B, T]
+    # A padding query attends to everything (a finite softmax) and is zeroed after.
+    mask = (visible | ~live[:, :, None])[:, None]  # [B, 1, T, L]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=keys.shape[1] != q.shape[2])  # [B, Hq, T, D]
+    return torch.where(live[:, :, None, None], out.transpose(1, 2), 0.0).to(q.dtype)
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [B, K] int64
     num_draft_tokens: torch.Tensor,  # [B] int64 in 0..K

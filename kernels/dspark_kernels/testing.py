@@ -96,6 +96,24 @@ class AttentionCase:
 
 
 @dataclass(frozen=True)
+class PagedAttentionCase:
+    q: torch.Tensor  # [B, T, num_heads, head_dim]
+    k_pool: torch.Tensor  # [P, kv_heads, head_dim]
+    v_pool: torch.Tensor  # [P, kv_heads, head_dim]
+    req_to_token: torch.Tensor  # [num_slots + 1, max_context] int32
+    rows: torch.Tensor  # [B] int64 table row (slot) of each batch row
+    positions: torch.Tensor  # [B, T] int64, < 0 = padding
+    scale: float
+    window: int | None
+
+    def args(self) -> tuple:
+        return (
+            self.q, self.k_pool, self.v_pool, self.req_to_token, self.rows, self.positions,
+            self.scale, self.window,
+        )
+
+
+@dataclass(frozen=True)
 class RejectionCase:
     draft_token_ids: torch.Tensor  # [B, K] int64
     num_draft_tokens: torch.Tensor  # [B] int64
@@ -213,6 +231,66 @@ def make_attention_case(
         cache_lengths.to(device),
         window,
         head_dim**-0.5,
+    )
+
+
+def make_paged_attention_case(
+    batch: int,
+    steps: int,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    contexts: list[int] | None = None,
+    max_context: int = 64,
+    window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    padding_rows: int | None = None,
+    seed: int = 0,
+) -> PagedAttentionCase:
+    """A verification step of the target over its paged KV pool.
+
+    Live row b holds ``contexts[b]`` positions (default: random in
+    steps..max_context), its last ``steps`` being the verified block already
+    written, and queries those. Its positions map to scattered pool tokens (a
+    random permutation, as after many allocations and frees); the table past
+    a row's length points at token 0, the padding token, which holds finite
+    junk as padding writes leave it. Pool tokens no row owns are NaN, so a
+    kernel reading outside a row's visible keys returns NaN. Row 0 queries
+    one position fewer (a trailing padding entry); padding rows use table
+    row 0 with positions -1.
+    """
+    padding_rows = _default_padding(batch, padding_rows)
+    live = batch - padding_rows
+    assert live >= 1 and (contexts is None or len(contexts) == live)
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, slots = _slot_layout(batch, padding_rows, gen)
+    if contexts is None:
+        contexts = torch.randint(steps, max_context + 1, (live,), generator=gen).tolist()
+    assert all(steps <= n <= max_context for n in contexts)
+    pool_tokens = 1 + sum(contexts) + 8  # the padding token, the rows' tokens, a few free ones
+    shape = (pool_tokens, kv_heads, head_dim)
+    k_pool = torch.full(shape, float("nan"))
+    v_pool = torch.full(shape, float("nan"))
+    k_pool[0] = torch.randn(shape[1:], generator=gen)
+    v_pool[0] = torch.randn(shape[1:], generator=gen)
+    owned = torch.randperm(pool_tokens - 1, generator=gen)[: sum(contexts)] + 1
+    table = torch.zeros((num_slots + 1, max_context), dtype=torch.int32)
+    positions = torch.full((batch, steps), PAD_POSITION, dtype=torch.int64)
+    first = 0
+    for b, n in enumerate(contexts):
+        tokens = owned[first:first + n]
+        first += n
+        table[slots[b], :n] = tokens.int()
+        k_pool[tokens] = torch.randn((n, kv_heads, head_dim), generator=gen)
+        v_pool[tokens] = torch.randn((n, kv_heads, head_dim), generator=gen)
+        positions[b] = torch.arange(n - steps, n)
+    if steps > 1:
+        positions[0, -1] = PAD_POSITION
+    q = torch.randn((batch, steps, num_heads, head_dim), generator=gen)
+    return PagedAttentionCase(
+        q.to(dtype).to(device), k_pool.to(dtype).to(device), v_pool.to(dtype).to(device),
+        table.to(device), slots.to(device), positions.to(device), head_dim**-0.5, window,
     )
 
 
