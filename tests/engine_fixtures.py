@@ -316,3 +316,50 @@ def assert_drained(engine: Engine, requests_added: int | None = None) -> None:
     assert int(engine.target.table.lengths.sum()) == 0, "a slot still holds target KV positions"
     if requests_added is not None:
         assert sum(engine.counters.finished.values()) == requests_added
+
+
+# -- tensor parallel 2 in two processes ---------------------------------------------------------------
+
+
+def spawn_tp2(rank_fn: Callable, *args) -> None:
+    """Run ``rank_fn(rank, *args)`` in two processes joined in one gloo group (tensor parallel 2 on
+    this machine), each with one torch thread; the group is torn down when ``rank_fn`` returns.
+    ``rank_fn`` must be a module-level function (it is pickled by reference)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_rank, args=(port, rank_fn, args), nprocs=2)
+
+
+def _gloo_rank(rank: int, port: int, rank_fn: Callable, args: tuple) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        rank_fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_speculative_engine(target: str, draft: str, rank: int, max_context: int) -> Engine:
+    """On a rank of ``spawn_tp2``: a speculative (fixed k=4) engine over this rank's target shard,
+    the draft whole, as each replica's rank runs it."""
+    from dspark_ray.engine.local import make_draft_proposer, make_target_runner
+    from dspark_ray.model.tp import TensorParallel
+    from dspark_ray.slots import SlotRegistry
+    from dspark_ray.tokenizer import Tokenizer
+
+    config = EngineConfig(model=target, draft=draft, num_speculative_tokens=4, draft_window=max_context, capacity=8,
+                          max_context=max_context, adaptive_speculation=False, draft_dtype="float32")
+    tokenizer = Tokenizer.from_path(target)
+    return Engine(config, tokenizer, SlotRegistry(config.capacity),
+                  make_target_runner(config, tokenizer.vocab_size, TensorParallel(rank, 2)),
+                  make_draft_proposer(config, tokenizer.vocab_size))

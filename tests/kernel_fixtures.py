@@ -1,4 +1,5 @@
-"""What every kernel test module shares: the interpreter guard and the Triton-only switch.
+"""What every kernel test module shares: the interpreter guard, the Triton-only switch, and the
+tolerance of an attention kernel against its float64 oracle.
 
 A module does ``from kernel_fixtures import *`` and, for its own kernel,
 ``triton_only = triton_only_fixture("window_attention")``.
@@ -7,13 +8,14 @@ A module does ``from kernel_fixtures import *`` and, for its own kernel,
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dspark_kernels import ops
 from dspark_kernels.testing import interpreter_in_process, refuse_references, rerun_in_fresh_process
 
 IN_PROCESS = interpreter_in_process()
 
-__all__ = ["IN_PROCESS", "_under_interpreter", "rerun_file_if_needed", "triton_only_fixture"]
+__all__ = ["IN_PROCESS", "_under_interpreter", "attention_tolerance", "rerun_file_if_needed", "triton_only_fixture"]
 
 
 @pytest.fixture(autouse=True)
@@ -44,3 +46,8 @@ def triton_only_fixture(name: str):
             yield
 
     return triton_only
+
+
+def attention_tolerance(dtype: torch.dtype) -> dict:
+    """``assert_close`` tolerances of an attention kernel's output in ``dtype`` against a float64 oracle."""
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

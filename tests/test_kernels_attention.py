@@ -15,7 +15,8 @@ import torch
 from dspark_kernels import ops, reference
 from dspark_kernels.testing import AttentionCase, make_attention_case
 
-from kernel_fixtures import _under_interpreter, rerun_file_if_needed, triton_only_fixture  # noqa: F401
+from kernel_fixtures import (_under_interpreter, attention_tolerance, rerun_file_if_needed,  # noqa: F401
+                             triton_only_fixture)
 
 test_file_under_interpreter = rerun_file_if_needed(__file__)
 triton_only = triton_only_fixture("window_attention")
@@ -44,10 +45,6 @@ def naive_window_attention(case: AttentionCase) -> torch.Tensor:
             weights = torch.softmax(k @ case.q[b, t, h].double() * case.scale, dim=0)
             out[b, t, h] = weights @ v
     return out
-
-
-def _tolerance(dtype: torch.dtype) -> dict:
-    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
 GRID = [
@@ -80,8 +77,8 @@ def test_triton_matches_reference(
     got = ops.window_attention(*case.args())
     assert got.dtype == dtype and got.shape == case.q.shape
     assert not got.isnan().any(), "read a stale (NaN-poisoned) ring entry"
-    torch.testing.assert_close(got, want, **_tolerance(dtype))
-    torch.testing.assert_close(got.double(), naive_window_attention(case), **_tolerance(dtype))
+    torch.testing.assert_close(got, want, **attention_tolerance(dtype))
+    torch.testing.assert_close(got.double(), naive_window_attention(case), **attention_tolerance(dtype))
 
 
 def test_triton_matches_reference_with_small_key_blocks():

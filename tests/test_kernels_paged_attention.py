@@ -27,7 +27,8 @@ from dspark_kernels import ops, reference
 from dspark_kernels.testing import PagedAttentionCase, make_paged_attention_case
 
 from conftest import SHIPPED_TARGET, shipped
-from kernel_fixtures import _under_interpreter, rerun_file_if_needed, triton_only_fixture  # noqa: F401
+from kernel_fixtures import (_under_interpreter, attention_tolerance, rerun_file_if_needed,  # noqa: F401
+                             triton_only_fixture)
 
 test_file_under_interpreter = rerun_file_if_needed(__file__)
 triton_only = triton_only_fixture("paged_attention")
@@ -54,10 +55,6 @@ def naive_paged_attention(case: PagedAttentionCase) -> torch.Tensor:
             weights = torch.softmax(k @ case.q[b, t, h].double() * case.scale, dim=0)
             out[b, t, h] = weights @ v
     return out
-
-
-def _tolerance(dtype: torch.dtype) -> dict:
-    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
 # batch, steps, num_heads, kv_heads, head_dim, contexts (live rows), window, num_splits
@@ -90,8 +87,8 @@ def test_triton_matches_reference(triton_only, batch, steps, num_heads, kv_heads
     got = ops.paged_attention(*case.args(), num_splits=splits, max_keys=max(contexts))
     assert got.dtype == case.q.dtype and got.shape == case.q.shape
     assert not got.isnan().any(), "read a pool token no visible key maps to (NaN-poisoned)"
-    torch.testing.assert_close(got, REFERENCE(*case.args()), **_tolerance(torch.float32))
-    torch.testing.assert_close(got.double(), naive_paged_attention(case), **_tolerance(torch.float32))
+    torch.testing.assert_close(got, REFERENCE(*case.args()), **attention_tolerance(torch.float32))
+    torch.testing.assert_close(got.double(), naive_paged_attention(case), **attention_tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -99,7 +96,7 @@ def test_triton_matches_reference_in_half_precision_pools(triton_only, dtype):
     case = make_paged_attention_case(3, 5, 4, 2, 64, [90, 7], max_context=96, dtype=dtype, seed=3)
     got = ops.paged_attention(*case.args(), num_splits=2, max_keys=90)
     assert got.dtype == dtype and not got.isnan().any()
-    torch.testing.assert_close(got, REFERENCE(*case.args()), **_tolerance(dtype))
+    torch.testing.assert_close(got, REFERENCE(*case.args()), **attention_tolerance(dtype))
 
 
 def test_more_splits_than_key_blocks():

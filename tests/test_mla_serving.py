@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -43,8 +41,8 @@ from dspark_ray.engine.target_runner import AttentionGroup
 from dspark_ray.model import load
 from dspark_ray.model.memory import Checkpoint, read_config
 from dspark_ray.model.moe import SparseMoE
-from dspark_ray.model.tp import TensorParallel
-from engine_fixtures import EOS_ID, assert_drained, copy_shipped_tokenizer, generate, make_engine, save_model
+from engine_fixtures import (EOS_ID, assert_drained, copy_shipped_tokenizer, generate, make_engine, save_model,
+                             spawn_tp2, tp_speculative_engine)
 from test_model_moe import DEEPSEEK_TINY, YARN, save_deepseek
 
 KV_LORA_RANK, ROPE_DIM = DEEPSEEK_TINY["kv_lora_rank"], DEEPSEEK_TINY["qk_rope_head_dim"]
@@ -288,46 +286,21 @@ def test_prefix_caching_changes_no_token(mla_models):
 # -- tensor parallel 2 -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_rank(rank: int, port: int, target: str, draft: str, out: str) -> None:
+def _tp_rank(rank: int, target: str, draft: str, out: str) -> None:
     """One rank of TP 2: a speculative greedy engine over this rank's shard; its tokens and pools."""
-    import torch.distributed as dist
-
-    from dspark_ray.engine import Engine, EngineConfig
-    from dspark_ray.engine.local import make_draft_proposer, make_target_runner
-    from dspark_ray.slots import SlotRegistry
-    from dspark_ray.tokenizer import Tokenizer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    try:
-        config = EngineConfig(model=target, draft=draft, num_speculative_tokens=4, draft_window=MAX_CONTEXT,
-                              capacity=8, max_context=MAX_CONTEXT, adaptive_speculation=False, draft_dtype="float32")
-        tokenizer = Tokenizer.from_path(target)
-        runner = make_target_runner(config, tokenizer.vocab_size, TensorParallel(rank, 2))
-        engine = Engine(config, tokenizer, SlotRegistry(config.capacity), runner,
-                        make_draft_proposer(config, tokenizer.vocab_size))
-        tokens = [r.token_ids for r in generate(engine, prompt_set(), sampling())]
-        attn = runner.model.model.layers[0].self_attn
-        torch.save({"tokens": tokens, "pools": [tuple(p.shape) for p in runner.latent.pools],
-                    "heads": attn.num_heads}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    engine = tp_speculative_engine(target, draft, rank, MAX_CONTEXT)
+    runner = engine.target
+    tokens = [r.token_ids for r in generate(engine, prompt_set(), sampling())]
+    attn = runner.model.model.layers[0].self_attn
+    torch.save({"tokens": tokens, "pools": [tuple(p.shape) for p in runner.latent.pools],
+                "heads": attn.num_heads}, f"{out}/rank{rank}.pt")
 
 
 def test_tensor_parallel_2_equals_transformers(mla_models, tmp_path):
     """Two ranks over gloo: each keeps the whole latent per token and expands only its own two of
     the four heads; each rank's speculative greedy engine produces transformers' tokens."""
-    import torch.multiprocessing as mp
-
     m = mla_models["low-rank-q"]
-    mp.spawn(_tp_rank, args=(_free_port(), str(m["target"]), str(m["drafts"]["bigram"]), str(tmp_path)), nprocs=2)
+    spawn_tp2(_tp_rank, str(m["target"]), str(m["drafts"]["bigram"]), str(tmp_path))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["heads"] == 2

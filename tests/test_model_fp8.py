@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import save_tiny_checkpoint
+from engine_fixtures import spawn_tp2
 from dspark_ray.model import ModelLoadError, TensorShapeMismatch, load
 from dspark_ray.model.errors import UnsupportedQuantization
 from dspark_ray.model.fp8 import (
@@ -231,36 +230,22 @@ def test_scale_in_another_shard_file(checkpoints, tmp_path):
 COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_rank(rank: int, port: int, folders: list[str], kept_folder: str, out: str) -> None:
+def _tp_rank(rank: int, folders: list[str], kept_folder: str, out: str) -> None:
     """One rank of TP 2: load each FP8 checkpoint's slices (``kept_folder`` as on CUDA, FP8 kept where
     the blocks fit), run the logits, save them with the state dict."""
-    import torch.distributed as dist
-
     from dspark_ray.model.llama import Linear
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    try:
-        for i, folder in enumerate(folders):
-            model = load(folder, dtype="float32", tp=TensorParallel(rank, 2))
-            with torch.no_grad():
-                logits = model(random_ids(model.config.vocab_size))
-            torch.save({"state": model.state_dict(), "logits": logits}, f"{out}/ckpt{i}-rank{rank}.pt")
-        Fp8Gemm.available = staticmethod(lambda device, dtype: True)  # this process only: load as on CUDA
-        model = load(kept_folder, dtype="float32", tp=TensorParallel(rank, 2), pack=False)
-        kept = sorted(n for n, m in model.named_modules() if isinstance(m, Linear) and m.weight.dtype == FP8)
+    for i, folder in enumerate(folders):
+        model = load(folder, dtype="float32", tp=TensorParallel(rank, 2))
         with torch.no_grad():
             logits = model(random_ids(model.config.vocab_size))
-        torch.save({"kept": kept, "logits": logits}, f"{out}/kept-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        torch.save({"state": model.state_dict(), "logits": logits}, f"{out}/ckpt{i}-rank{rank}.pt")
+    Fp8Gemm.available = staticmethod(lambda device, dtype: True)  # this process only: load as on CUDA
+    model = load(kept_folder, dtype="float32", tp=TensorParallel(rank, 2), pack=False)
+    kept = sorted(n for n, m in model.named_modules() if isinstance(m, Linear) and m.weight.dtype == FP8)
+    with torch.no_grad():
+        logits = model(random_ids(model.config.vocab_size))
+    torch.save({"kept": kept, "logits": logits}, f"{out}/kept-rank{rank}.pt")
 
 
 def test_tensor_parallel_2_slices_match_the_whole(checkpoints, tmp_path, monkeypatch):
@@ -271,15 +256,12 @@ def test_tensor_parallel_2_slices_match_the_whole(checkpoints, tmp_path, monkeyp
     128 x 128 blocks, each rank keeps all its projections in FP8, quantises its activations in the
     same 1 x 128 groups as TP 1 does (a row-parallel slice starts on a group boundary), and the
     logits agree with the TP-1 load as on CUDA."""
-    import torch.multiprocessing as mp
-
     llama = checkpoints["LlamaForCausalLM"]
     cases = [(llama["cut"][0], CUT_BLOCKS), (llama["128"][0], (128, 128))]
     save_tiny_checkpoint(tmp_path / "orig", hidden_size=256, intermediate_size=256, num_attention_heads=4,
                          num_key_value_heads=4, head_dim=64)  # every projection 256 x 256
     write_fp8(tmp_path / "orig", tmp_path / "kept", (128, 128))
-    mp.spawn(_tp_rank, args=(_free_port(), [str(folder) for folder, _ in cases], str(tmp_path / "kept"),
-                             str(tmp_path)), nprocs=2)
+    spawn_tp2(_tp_rank, [str(folder) for folder, _ in cases], str(tmp_path / "kept"), str(tmp_path))
     for i, (folder, block) in enumerate(cases):
         ranks = [torch.load(tmp_path / f"ckpt{i}-rank{r}.pt") for r in range(2)]
         whole = load(folder, dtype="float32")

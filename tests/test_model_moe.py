@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,8 @@ from conftest import save_tiny_checkpoint
 from dspark_ray.model import ModelLoadError, TensorMissing, TensorShapeMismatch, UnsupportedArchitecture, load
 from dspark_ray.model.moe import SparseMoE, grouped_experts, route, route_grouped
 from dspark_ray.model.tp import ExpertShard, TensorParallel
-from engine_fixtures import EOS_ID, copy_shipped_tokenizer, generate, make_engine, perturbed_copy, save_model
+from engine_fixtures import (EOS_ID, copy_shipped_tokenizer, generate, make_engine, perturbed_copy, save_model,
+                             spawn_tp2, tp_speculative_engine)
 from test_model_parity import assert_parity
 
 QWEN, MIXTRAL = "Qwen3MoeForCausalLM", "MixtralForCausalLM"
@@ -268,41 +267,16 @@ def test_engine_greedy_equals_transformers(moe_models, family, draft):
 # -- tensor parallel 2 ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_rank(rank: int, port: int, target: str, draft: str, out: str) -> None:
+def _tp_rank(rank: int, target: str, draft: str, out: str) -> None:
     """One rank of TP 2: load its slices, run the logits and a speculative greedy engine; save both."""
-    import torch.distributed as dist
-
-    from dspark_ray.engine import Engine, EngineConfig
-    from dspark_ray.engine.local import make_draft_proposer, make_target_runner
-    from dspark_ray.slots import SlotRegistry
-    from dspark_ray.tokenizer import Tokenizer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    try:
-        tp = TensorParallel(rank, 2)
-        model = load(target, dtype="float32", tp=tp)
-        shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-        sharded = sum(isinstance(m, ExpertShard) for m in model.modules())
-        ids = torch.tensor([p + [0] * (30 - len(p)) for p in prompt_set()])
-        logits = model(ids)
-        config = EngineConfig(model=target, draft=draft, num_speculative_tokens=4, draft_window=MAX_CONTEXT,
-                              capacity=8, max_context=MAX_CONTEXT, adaptive_speculation=False, draft_dtype="float32")
-        tokenizer = Tokenizer.from_path(target)
-        engine = Engine(config, tokenizer, SlotRegistry(config.capacity),
-                        make_target_runner(config, tokenizer.vocab_size, tp),
-                        make_draft_proposer(config, tokenizer.vocab_size))
-        tokens = [r.token_ids for r in generate(engine, prompt_set(), sampling())]
-        torch.save({"shapes": shapes, "sharded": sharded, "logits": logits, "tokens": tokens}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    model = load(target, dtype="float32", tp=TensorParallel(rank, 2))
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    sharded = sum(isinstance(m, ExpertShard) for m in model.modules())
+    ids = torch.tensor([p + [0] * (30 - len(p)) for p in prompt_set()])
+    logits = model(ids)
+    engine = tp_speculative_engine(target, draft, rank, MAX_CONTEXT)
+    tokens = [r.token_ids for r in generate(engine, prompt_set(), sampling())]
+    torch.save({"shapes": shapes, "sharded": sharded, "logits": logits, "tokens": tokens}, f"{out}/rank{rank}.pt")
 
 
 @pytest.mark.parametrize("family", ENGINE_TARGETS)
@@ -310,11 +284,10 @@ def test_tensor_parallel_2_equals_transformers(moe_models, family, tmp_path):
     """Two ranks over gloo, every expert sliced in two: each rank holds half of every expert's
     gate/up rows and down columns (the router whole), its logits equal transformers', and a
     speculative greedy engine on each rank produces transformers' greedy tokens."""
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     m = moe_models[family]
-    mp.spawn(_tp_rank, args=(_free_port(), str(m["target"]), str(m["drafts"]["near"]), str(tmp_path)), nprocs=2)
+    spawn_tp2(_tp_rank, str(m["target"]), str(m["drafts"]["near"]), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     whole = load(m["target"], dtype="float32")
     full = {name: tuple(p.shape) for name, p in whole.state_dict().items()}
@@ -488,28 +461,18 @@ def test_grouped_route_equals_transformers_router():
     assert all(len(set(g)) <= 2 for g in groups.tolist())
 
 
-def _tp_logits_rank(rank: int, port: int, folder: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    try:
-        model = load(folder, dtype="float32", tp=TensorParallel(rank, 2))
-        ids = torch.arange(40).view(2, 20) % 96
-        torch.save({"shapes": {n: tuple(p.shape) for n, p in model.state_dict().items()}, "logits": model(ids)},
-                   f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _tp_logits_rank(rank: int, folder: str, out: str) -> None:
+    model = load(folder, dtype="float32", tp=TensorParallel(rank, 2))
+    ids = torch.arange(40).view(2, 20) % 96
+    torch.save({"shapes": {n: tuple(p.shape) for n, p in model.state_dict().items()}, "logits": model(ids)},
+               f"{out}/rank{rank}.pt")
 
 
 def test_deepseek_v3_tensor_parallel_2_equals_transformers(tmp_path):
     """MLA split by heads (q_b_proj and kv_b_proj by rows, o_proj by columns, the latent projections
     whole), routed and shared experts sliced: each rank's logits equal transformers'."""
-    import torch.multiprocessing as mp
-
     reference = save_deepseek(tmp_path / "ckpt")
-    mp.spawn(_tp_logits_rank, args=(_free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2)
+    spawn_tp2(_tp_logits_rank, str(tmp_path / "ckpt"), str(tmp_path))
     full = {n: tuple(p.shape) for n, p in load(tmp_path / "ckpt", dtype="float32").state_dict().items()}
     with torch.no_grad():
         expected = reference(torch.arange(40).view(2, 20) % 96).logits
