@@ -178,7 +178,8 @@ def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, 
     """On CPU ``load`` runs every linear (fused projections, o/down projections, the LM head) on a
     oneDNN-prepacked copy of its weight (dspark_ray/model/cpu_gemm.py): the same logits as torch's
     matmul up to rounding, the same state dict, and a weight changed afterwards is used again
-    only once it is packed again."""
+    only once it is packed again. A single row (one token) runs torch's matmul on the unpacked
+    weight: bit for bit the plain model's logits."""
     from dspark_ray.model.cpu_gemm import available, pack_weights
 
     if not available(torch.device("cpu"), getattr(torch, dtype)):
@@ -195,6 +196,8 @@ def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, 
     tol = 1e-4 if dtype == "float32" else 0.1
     with torch.no_grad():
         torch.testing.assert_close(packed(ids), plain(ids), rtol=0, atol=tol)
+        one = ids[:1, :1]
+        assert torch.equal(packed(one), plain(one))
         for model in (packed, plain):
             model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
         assert (packed(ids) - plain(ids)).abs().max() > tol  # the packed copy is stale ...

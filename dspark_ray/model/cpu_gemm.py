@@ -16,15 +16,26 @@ storage (checkpoints, the state dict and tensor parallelism see a plain
 linear). It is a copy: a weight changed after packing is not seen by the
 packed matmul (``pack_weights`` again). Results differ from MKL's in the last
 bits (about 1e-6 relative in float32), as two BLAS libraries do.
+
+NOTE: one row at a time (the draft's passes at batch 1) keeps torch's own
+matmul on the unpacked weight. There oneDNN's blocked kernel is no help and,
+on an AVX2-only CPU, slower: measured on such a box (AMD EPYC, 1 thread,
+best of 5), the shipped draft's five weight shapes cost 645 us packed against
+340-386 us through ``F.linear`` at one row, while from four rows up the
+packed kernel wins (946 against 1524 us at four, 1414 against 2029 at eight).
+On the AVX512-BF16 box the two were level at one row.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # oneDNN picks the packed layout for this many rows; it is correct for any number.
 BATCH_HINT = 32
+# Calls with at most this many rows use torch's matmul on the unpacked weight (module docstring).
+UNPACKED_MAX_ROWS = 1
 PACKABLE = (torch.float32, torch.bfloat16)
 
 
@@ -45,13 +56,16 @@ class PackedGemm:
     def __init__(self, weight: torch.Tensor) -> None:
         assert weight.dim() == 2 and weight.device.type == "cpu", weight.shape
         self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
+        self.weight = weight.detach()  # the parameter itself (no copy), for single rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), BATCH_HINT)
 
     def __call__(
         self,
         x: torch.Tensor,  # [..., in], the weight's dtype
         bias: torch.Tensor | None = None,  # [out]
     ) -> torch.Tensor:  # [..., out]
+        if x.numel() <= UNPACKED_MAX_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
