@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-KERNELS = ("ring_write", "window_attention", "rejection")
+KERNELS = ("ring_write", "window_attention", "rejection", "markov")
 SPEC_TOKENS = 4  # k: drafts per step, so k + 1 query positions
 BATCHES = (1, 8, 32, 64)
 WINDOWS = (32, 128, 256)
@@ -146,6 +146,36 @@ def bench_rejection(config: Config, batches, vocabs) -> Iterator[Result]:
             yield Result("rejection_sample", shape, agrees, f"exact, acc {accepted:.2f}", *timings)
 
 
+def _markov_args(batch: int, steps: int, vocab: int, rank: int, config: Config) -> tuple:
+    """One draft block for ops.markov_sample: a third of the rows greedy, the rest at temperature 1."""
+    device = config.device
+    w1 = torch.randn((vocab, rank), device=device).to(config.dtype)
+    w2 = (torch.randn((vocab, rank), device=device) / rank**0.5).to(config.dtype)
+    is_greedy = torch.arange(batch, device=device) < batch // 3
+    noise = torch.empty((batch, steps, vocab), device=device).exponential_()
+    return (
+        torch.randn((batch, steps, vocab), device=device) * 2, torch.randint(0, vocab, (batch,), device=device),
+        w1, w2, 1.0, torch.full((batch,), steps, device=device), is_greedy,
+        torch.where(is_greedy, 0.0, 1.0), noise.clamp_(min=torch.finfo(torch.float32).tiny),
+    )
+
+
+def bench_markov(config: Config, batches, vocabs) -> Iterator[Result]:
+    from dspark_kernels import ops
+
+    rank = 64 if config.timed else 8
+    for vocab in vocabs:
+        for batch in batches:
+            args = _markov_args(batch, SPEC_TOKENS, vocab, rank, config)
+            got = _with_backend("triton", lambda: ops.markov_sample(*args))
+            want = _with_backend("reference", lambda: ops.markov_sample(*args))
+            error = float((got[1] - want[1]).abs().max())
+            agrees = torch.equal(got[0], want[0]) and error <= 1e-5
+            shape = f"B={batch} S={SPEC_TOKENS} V={vocab} r={rank} greedy={batch // 3}"
+            timings = _timings(config, lambda b: _with_backend(b, lambda: ops.markov_sample(*args)))
+            yield Result("markov_sample", shape, agrees, f"q err {error:.1e}", *timings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", choices=KERNELS, action="append", help="repeatable; default all")
@@ -176,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "ring_write": lambda: bench_ring_write(config, batches, windows),
         "window_attention": lambda: bench_window_attention(config, batches, windows),
         "rejection": lambda: bench_rejection(config, batches, vocabs),
+        "markov": lambda: bench_markov(config, batches, vocabs),
     }
     failures = 0
     for name in kernels:

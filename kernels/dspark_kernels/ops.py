@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -126,7 +127,7 @@ def _use_triton(module_name: str, device: torch.device) -> bool:
 
 
 def uses_triton(kernel: str, device: torch.device) -> bool:
-    """Whether ``kernel`` (ring_write, window_attention, paged_attention, rejection) runs as Triton on ``device``;
+    """Whether ``kernel`` (ring_write, window_attention, paged_attention, rejection, markov) runs as Triton on ``device``;
     False: its torch reference (``dspark_kernels.reference``) runs."""
     return _use_triton(kernel, device)
 
@@ -467,3 +468,99 @@ def logits_to_probs(
     _check_tensor("top_k", top_k, (N,), (torch.int32, torch.int64), device, contiguous=False)
     _check_tensor("top_p", top_p, (N,), _FLOAT_DTYPES, device, contiguous=False)
     return reference.logits_to_probs(logits, temperature, top_k, top_p)
+
+
+# ---------------------------------------------------------------------------
+# The DSpark Markov head: left-to-right draft sampling
+# ---------------------------------------------------------------------------
+
+
+def markov_sample(
+    base: torch.Tensor,  # [B, S, V] float32 base logits of the block
+    prev0: torch.Tensor,  # [B] int64 anchor token, in 0..V_in-1
+    w1: torch.Tensor,  # [V_in, r] markov_w1 (an embedding), float32/float16/bfloat16
+    w2: torch.Tensor,  # [V, r] markov_w2 (a linear: bias = w2 @ e), w1's dtype; V <= V_in
+    logit_scale: float,
+    num_query: torch.Tensor,  # [B] int64: positions sampled per row (the rest: token -1)
+    is_greedy: torch.Tensor,  # [B] bool
+    temperature: torch.Tensor,  # [B] float32, > 0 on sampled rows (ignored on greedy rows)
+    noise: torch.Tensor,  # [B, S, V] float32 Exponential(1), vocab dim dense
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, S] int64, [B, S, V] float32)
+    """Sample a DSpark draft block left to right through the Markov head.
+
+    Position j's logits are ``base[:, j] + (w2 @ w1[prev]) * logit_scale``,
+    the product rounded to the weights' dtype as ``MarkovHead.bias`` returns
+    it, with ``prev`` the token drawn at j - 1 (``prev0`` for j = 0): the
+    loop of ``DSparkDraft.sample_block``. Greedy rows take the argmax (first
+    maximum on ties); sampled rows draw the exponential race
+    argmax(q / noise) from q = softmax(logits / temperature). Only positions
+    j < num_query[b] are sampled.
+
+    Who may call it: greedy rows and temperature-only rows. A batch with a
+    row using top-k or top-p goes through ``DSparkDraft.sample_block`` with
+    the engine's sampler (``verifier.sample_draft_tokens``), whose q is
+    processed by ``logits_to_probs``; neither the kernel nor the reference
+    applies top-k/top-p. The checkpoint's ``draft_topk`` is applied by the
+    caller beforehand, masking ``base`` to -inf outside each position's
+    top-k (exactly what ``sample_block`` does before adding the bias); -inf
+    logits are supported, but every sampled position needs a finite one.
+
+    Noise: sampled rows need an independent draw at every position (a draw
+    shared across positions correlates the positions' tokens, unlike
+    ``draw_random``'s recovery noise, which a row reads at one position
+    only). A stride-0 broadcast is fine where the noise is never read:
+    greedy rows, positions past num_query.
+
+    Checks never synchronise with the device: an anchor outside 0..V_in-1
+    or a non-positive temperature on a sampled row raises KernelInputError
+    for CPU tensors only. On CUDA a row with an out-of-range anchor samples
+    nothing (tokens -1) rather than reading outside w1.
+
+    Returns:
+      tokens: [B, S] int64, the drafted tokens, -1 past num_query.
+      q: [B, S, V] float32, the distribution each sampled token was drawn
+        from (for lossless verification); zeros on greedy rows and past
+        num_query.
+    """
+    _check(base.dim() == 3, f"base: expected [B, S, V], got {tuple(base.shape)}")
+    _check(w1.dim() == 2, f"w1: expected [V_in, r], got {tuple(w1.shape)}")
+    B, S, V = base.shape
+    V_in, rank = w1.shape
+    device = base.device
+    _check(V >= 1 and rank >= 1, f"base vocab {V} and w1 rank {rank} must be >= 1")
+    _check_tensor("base", base, (B, S, V), (torch.float32,), device)
+    _check_tensor("prev0", prev0, (B,), (torch.int64,), device)
+    _check_tensor("w1", w1, (V_in, rank), _FLOAT_DTYPES, device)
+    _check_tensor("w2", w2, (V, rank), (w1.dtype,), device)
+    _check(V <= V_in, f"w2 has {V} output tokens but w1 embeds only {V_in}: sampled tokens index w1")
+    _check_tensor("num_query", num_query, (B,), (torch.int64,), device)
+    _check_tensor("is_greedy", is_greedy, (B,), (torch.bool,), device)
+    _check_tensor("temperature", temperature, (B,), (torch.float32,), device)
+    _check_tensor("noise", noise, (B, S, V), (torch.float32,), device, contiguous=False)
+    _check(noise.stride(-1) == 1, "noise: the vocab dim must be contiguous (stride 1)")
+    _check(math.isfinite(logit_scale), f"logit_scale must be finite, got {logit_scale}")
+    if device.type == "cpu":
+        _check_markov_values(prev0, V_in, is_greedy, temperature)
+    if B == 0 or S == 0:
+        return (
+            torch.empty((B, S), dtype=torch.int64, device=device),
+            torch.zeros((B, S, V), dtype=torch.float32, device=device),
+        )
+    if _use_triton("markov", device):
+        return _kernel_module("markov").markov_sample(
+            base, prev0, w1, w2, logit_scale, num_query, is_greedy, temperature, noise
+        )
+    return reference.markov_sample(base, prev0, w1, w2, logit_scale, num_query, is_greedy, temperature, noise)
+
+
+def _check_markov_values(
+    prev0: torch.Tensor,  # [B] int64, on the CPU
+    vocab_in: int,
+    is_greedy: torch.Tensor,  # [B] bool
+    temperature: torch.Tensor,  # [B] float32
+) -> None:
+    bad = (prev0 < 0) | (prev0 >= vocab_in)
+    _check(not bool(bad.any()), f"prev0: anchor ids {prev0[bad].tolist()} lie outside w1's 0..{vocab_in - 1}")
+    cold = ~is_greedy & ~(temperature > 0)
+    _check(not bool(cold.any()), f"temperature: sampled rows {cold.nonzero().flatten().tolist()} need "
+                                 "temperature > 0 (mark temperature-0 rows greedy)")

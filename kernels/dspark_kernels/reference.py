@@ -263,3 +263,43 @@ def logits_to_probs(
     threshold = sorted_logits.gather(1, last)  # [N, 1]
     keep &= scaled >= threshold
     return torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def markov_sample(
+    base: torch.Tensor,  # [B, S, V] float32 base logits
+    prev0: torch.Tensor,  # [B] int64 anchor token (before position 0)
+    w1: torch.Tensor,  # [V_in, r] markov_w1 (an embedding)
+    w2: torch.Tensor,  # [V, r] markov_w2 (a linear: bias = w2 @ e), w1's dtype
+    logit_scale: float,
+    num_query: torch.Tensor,  # [B] int64: positions sampled per row
+    is_greedy: torch.Tensor,  # [B] bool
+    temperature: torch.Tensor,  # [B] float32, > 0 on sampled rows
+    noise: torch.Tensor,  # [B, S, V] float32 Exponential(1)
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, S] int64, [B, S, V] float32)
+    """The DSpark Markov head's left-to-right sampling, see ops.markov_sample.
+
+    Position j's logits are ``base[:, j] + F.linear(w1[prev], w2).float() * logit_scale``
+    (``MarkovHead.bias`` in the weights' dtype, as ``DSparkDraft.sample_block``);
+    greedy rows take their argmax, sampled rows the exponential race
+    argmax(q / noise) with q = softmax(logits / T). A row whose anchor lies
+    outside 0..V_in-1 samples nothing. The loop over positions is inherent:
+    each bias depends on the token sampled just before.
+    """
+    B, S, V = base.shape
+    device = base.device
+    tokens = torch.full((B, S), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    q = torch.zeros((B, S, V), dtype=torch.float32, device=device)
+    live = (prev0 >= 0) & (prev0 < w1.shape[0])  # [B]
+    # Greedy rows may carry temperature 0; they never read their softmax.
+    safe_temperature = torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [B, 1]
+    prev = prev0.clamp(0, w1.shape[0] - 1)  # [B]
+    for j in range(S):
+        logits = base[:, j] + F.linear(w1[prev], w2).float() * logit_scale  # [B, V]
+        probs = torch.softmax(logits / safe_temperature, dim=-1)  # [B, V]
+        sampled = (probs / noise[:, j]).argmax(dim=-1)  # [B]
+        token = torch.where(is_greedy, logits.argmax(dim=-1), sampled)  # [B]
+        active = live & (j < num_query)  # [B]
+        tokens[:, j] = torch.where(active, token, PLACEHOLDER_TOKEN_ID)
+        q[:, j] = torch.where((active & ~is_greedy)[:, None], probs, 0.0)
+        prev = token
+    return tokens, q
