@@ -4,6 +4,7 @@
     .venv/bin/python bench/spec.py --batches 1 --max-tokens 128
     python bench/spec.py --device cuda --no-transformers      # on a GPU box
     python bench/spec.py --device cuda --no-transformers --paged-attention  # the Triton paged kernel
+    python bench/spec.py --device cuda --no-transformers --cuda-graphs      # + a row with the draft's graphs
 
 Every configuration generates a fixed number of tokens (ignore_eos) from
 held-out prompts, greedily. Batch 1 runs several prompts one after another;
@@ -70,6 +71,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's (bf16) on CUDA")
     ap.add_argument("--paged-attention", action="store_true",
                     help="on CUDA, the target attends with the Triton paged kernel instead of gather + SDPA")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="on CUDA, also run speculation with the draft's drafting passes as CUDA graphs at padded "
+                         "batch sizes (draft_proposer.CUDA_GRAPHS), beside the same engine without them")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.paged_attention:
@@ -80,12 +84,22 @@ def main() -> None:
     common = dict(max_context=512, capacity=64, max_num_seqs=64, device=args.device, dtype=args.dtype)
     base = LLM(str(TARGET), None, **common)
     spec = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)
+    graphs = None
+    if args.cuda_graphs and args.device != "cpu":
+        from dspark_ray.engine import draft_proposer
+
+        draft_proposer.CUDA_GRAPHS = True  # read when a proposer is built: only this one has graphs
+        graphs = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)
+        draft_proposer.CUDA_GRAPHS = False
     rows, baseline = [], {}
     for b in args.batches:
         repeats = args.repeats_at_1 if b == 1 else 1
         baseline[b] = run_dspark(base, b, repeats, args.max_tokens, "dspark_ray, no speculation")
         rows += [baseline[b], run_dspark(spec, b, repeats, args.max_tokens, f"dspark_ray, speculation k={args.k}")]
-        print(table(rows[-2:], baseline).split("\n", 2)[2], flush=True)
+        if graphs is not None:
+            rows.append(run_dspark(graphs, b, repeats, args.max_tokens,
+                                   f"dspark_ray, speculation k={args.k}, draft CUDA graphs"))
+        print(table(rows[-3 if graphs else -2:], baseline).split("\n", 2)[2], flush=True)
     if 1 in args.batches and not args.no_transformers and args.device == "cpu":
         rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
     attention = "the paged kernel" if args.paged_attention and args.device != "cpu" else "gather + SDPA"

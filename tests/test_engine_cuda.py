@@ -75,3 +75,25 @@ def test_seeded_sampling_on_cuda_is_batch_independent(engines):
     assert alone.token_ids == crowded.token_ids
     greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert alone.token_ids != greedy.token_ids  # it really sampled
+
+
+def test_draft_cuda_graphs_change_no_output(engines, monkeypatch):
+    """The draft's drafting passes captured as CUDA graphs at padded batch sizes (issue 20,
+    draft_proposer.CUDA_GRAPHS): greedy output equals the target's own, seeded sampled output
+    equals the uncaptured engine's, and both sizes a mixed batch pads to were captured."""
+    from dspark_ray import LLM, SamplingParams
+    from dspark_ray.engine import draft_proposer
+
+    monkeypatch.setattr(draft_proposer, "CUDA_GRAPHS", True)
+    graphs = LLM(str(SHIPPED_TARGET), str(SHIPPED_DRAFT), device="cuda", num_speculative_tokens=4,
+                 max_context=512, capacity=16, max_num_seqs=16, dtype="float32")
+    greedy = SamplingParams(max_tokens=48, ignore_eos=True)
+    got = graphs.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in engines["cuda_plain"].generate(PROMPTS, greedy)]
+    assert graphs.generate(PROMPTS[0], greedy)[0].token_ids == got[0].token_ids  # one row: another size
+    sampled = [SamplingParams(max_tokens=40, temperature=0.8, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    assert ([o.token_ids for o in graphs.generate(PROMPTS, sampled)]
+            == [o.token_ids for o in engines["cuda_spec"].generate(PROMPTS, sampled)])
+    proposer = graphs.engine.draft
+    assert proposer.cuda_graphs and len(proposer._padded) >= 2
+    assert all(p.graph is not None for p in proposer._padded.values())

@@ -10,6 +10,18 @@ The cache holds only the last ``window + max_spec_tokens`` positions per slot,
 so a long catch-up (a new prompt) runs as one full-sequence windowed forward
 whose last positions are then written to the ring; short catch-ups and the
 drafting steps read and write the ring through ``dspark_kernels``.
+
+NOTE: padded drafting passes (issue 20). With ``pad_batches`` the k - 1
+one-token passes of a proposal run at a fixed set of batch sizes: a proposal
+of B rows runs at the smallest size >= B, and every added entry is padding
+on slot 0 at position -1 (token 0, nothing fed), which the ring write skips
+and the window attention masks, so it reads and writes only row 0 and
+changes no live slot and no output (tested on CPU, where padding is pure
+overhead and off by default). On CUDA the fixed sizes are what CUDA graphs
+need: with ``cuda_graphs`` each size's pass is captured once over static
+buffers and replayed (``CUDA_GRAPHS`` below keeps that off until a GPU run
+has checked it, as ``target_runner.PAGED_KERNEL`` does for the paged kernel).
+The catch-up pass (a varying number of tokens per row) stays eager.
 """
 
 from __future__ import annotations
@@ -24,6 +36,11 @@ from dspark_ray.engine.verifier import mask_vocab, sample_draft_tokens
 from dspark_ray.model.llama import CausalAttention, CausalLM
 from dspark_ray.model.mla import refuse_as_draft
 from dspark_ray.slots import DraftWindowCache
+
+
+# Padded batch sizes for the drafting passes, and whether CUDA captures them (module docstring).
+PAD_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CUDA_GRAPHS = False
 
 
 class DraftCacheBehind(RuntimeError):
@@ -73,10 +90,14 @@ class RecordingAttention(CausalAttention):
 
 class DraftProposer:
     def __init__(self, model: CausalLM, capacity: int, window: int, max_spec_tokens: int,
-                 vocab_limit: int | None = None, grammars: SlotGrammars | None = None) -> None:
+                 vocab_limit: int | None = None, grammars: SlotGrammars | None = None,
+                 pad_batches: tuple[int, ...] | None = None, cuda_graphs: bool | None = None) -> None:
         """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never proposed.
         ``grammars``: matchers per slot for structured-output rows (without them their drafts are
-        unconstrained, and the engine cuts each draft at its first forbidden token)."""
+        unconstrained, and the engine cuts each draft at its first forbidden token).
+        ``pad_batches``: the drafting passes' fixed batch sizes (module docstring); None: unpadded,
+        or ``PAD_BATCHES`` when graphs are on. ``cuda_graphs``: capture them (CUDA only); None:
+        ``CUDA_GRAPHS`` on a CUDA model."""
         self.model = model
         self.grammars = grammars
         cfg = model.config
@@ -93,6 +114,11 @@ class DraftProposer:
         self.ring_chunk = self.cache.ring - window + 1
         # The tokens the ring's K/V and the next logits depend on (see _tail_forward).
         self.tail = cfg.num_layers * (window - 1) + 1
+        self.cuda_graphs = (CUDA_GRAPHS if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda"
+        if pad_batches is None and self.cuda_graphs:
+            pad_batches = PAD_BATCHES
+        self.pad_batches = tuple(sorted(pad_batches)) if pad_batches else ()
+        self._padded: dict[int, PaddedPass] = {}
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposeRow]) -> Proposal:
@@ -260,8 +286,68 @@ class DraftProposer:
     def _ring_forward_one(self, tokens: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor) -> torch.Tensor:
         """One token per row through the ring ([B] each, on the device, no host sync); rows not
-        ``fed`` are padding (position -1: they write and read nothing). [B, V] logits."""
+        ``fed`` are padding (position -1: they write and read nothing). [B, V] logits. At a padded
+        batch size when ``pad_batches`` has one that fits (module docstring)."""
+        rows = next((n for n in self.pad_batches if n >= tokens.shape[0]), None)
+        if rows is None:
+            return self._one_pass(tokens, fed, positions, slots)
+        if rows not in self._padded:
+            self._padded[rows] = PaddedPass(self, rows, self.cuda_graphs)
+        return self._padded[rows](tokens, fed, positions, slots)
+
+    def _one_pass(self, tokens: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor) -> torch.Tensor:  # [B, V]
         ids = torch.where(fed, tokens, 0)[:, None]
         pos = torch.where(fed, positions, -1)[:, None]
         hidden = self.model.hidden_states(ids, pos, RingAttention(self.cache, slots, pos))
         return self._logits(hidden[:, 0])
+
+
+class PaddedPass:
+    """The drafting pass at one fixed batch size: static input buffers whose entries past the
+    live rows are padding (slot 0, position -1), run eagerly or replayed as a CUDA graph.
+
+    The graph is captured with every entry padding, so capturing changes no cache state; a
+    replay's logits are copied out before the next replay overwrites them."""
+
+    def __init__(self, proposer: DraftProposer, rows: int, graph: bool) -> None:
+        dev = proposer.device
+        self.proposer, self.rows = proposer, rows
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.fed = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.positions = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if graph:
+            self._capture()
+
+    def _run(self) -> torch.Tensor:
+        return self.proposer._one_pass(self.tokens, self.fed, self.positions, self.slots)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+
+    def __call__(self, tokens: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:  # [B, V]
+        n = tokens.shape[0]
+        self.tokens[:n].copy_(tokens)
+        self.fed[:n].copy_(fed)
+        self.fed[n:] = False
+        self.positions[:n].copy_(positions)
+        self.positions[n:] = -1
+        self.slots[:n].copy_(slots)
+        self.slots[n:] = 0
+        if self.graph is None:
+            return self._run()[:n]
+        self.graph.replay()
+        return self.logits[:n].clone()
