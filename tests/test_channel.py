@@ -158,3 +158,45 @@ def test_the_torch_thread_serves_its_channels_and_jobs_on_one_thread(spin_s):
         b.call("fail", timeout_s=5)
     assert torch_thread.call(lambda: 7) == 7
     b.close()
+
+
+_TENSOR_WORKER = """
+import sys, time, torch
+from dspark_ray.serve.channel import ChannelServer
+
+class Tensors:
+    def probs(self, rows):
+        return {"probs": torch.arange(rows * 6, dtype=torch.float32).view(rows, 2, 3), "ids": [[1, 2]] * rows}
+
+    def twice(self, x):
+        return x * 2
+
+server = ChannelServer(Tensors(), "127.0.0.1", bytes.fromhex(sys.argv[1]))
+print(server.address[1], flush=True)
+time.sleep(120)
+"""
+
+
+def test_tensors_cross_between_unrelated_processes():
+    """A reply holding tensors (the draft's probabilities) reaches the replica, which is not the worker's
+    parent: each message is plain pickle, not multiprocessing's ForkingPickler, in which torch sends a
+    storage as a file descriptor only a child of the sender may fetch (every such reply used to fail,
+    and every sampled request ran without speculation)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    key = new_key()
+    proc = subprocess.Popen([sys.executable, "-c", _TENSOR_WORKER, key.hex()], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        ch = Channel(("127.0.0.1", port), key, "draft")
+        value, _ = ch.call("probs", 4, timeout_s=30)
+        assert torch.equal(value["probs"], torch.arange(24, dtype=torch.float32).view(4, 2, 3))
+        assert value["ids"] == [[1, 2]] * 4
+        x = torch.randn(3, 5)
+        doubled, _ = ch.call("twice", x, timeout_s=30)
+        assert torch.equal(doubled, x * 2)
+    finally:
+        proc.kill()

@@ -27,6 +27,15 @@ the workers' torch thread does, so a step runs where it is read. Client side: ``
 up as ``ChannelClosed`` at once (its socket closes); one that hangs as
 ``ChannelTimeout``. Both are ``ChannelError``: the caller treats them as a
 failed worker.
+
+Both ways a message is plain ``pickle`` bytes (``encode``, ``send_bytes``).
+Not ``Connection.send``: that pickles with multiprocessing's ForkingPickler,
+in which ``import torch`` registers reductions that send a tensor's storage
+as a shared-memory file descriptor for the receiving process to fetch from
+the sender's resource sharer, which only a child of the sender may do; the
+replica (not the workers' parent) was refused ("digest sent was rejected")
+for every reply that held a tensor, so until this was found every sampled
+request (its draft probabilities are a tensor) ran without speculation.
 """
 
 from __future__ import annotations
@@ -121,7 +130,7 @@ def serve_call(conn: Connection, handler: object, lock: threading.Lock | None = 
     around the call, outside the seconds reported.
     """
     try:
-        method, args = conn.recv()
+        method, args = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return False
     try:
@@ -132,7 +141,7 @@ def serve_call(conn: Connection, handler: object, lock: threading.Lock | None = 
     except Exception as exc:  # noqa: BLE001 - sent to the caller, which decides
         reply = (_ERROR, (f"{type(exc).__name__}: {exc}", traceback.format_exc()), 0.0)
     try:
-        conn.send(reply)
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))  # module docstring: not send()
     except (OSError, pickle.PicklingError) as exc:
         log.warning("channel reply failed: %r", exc)
         return False
@@ -164,7 +173,7 @@ class Channel:
         try:
             if not self._conn.poll(timeout_s):
                 raise ChannelTimeout(f"{self.name}: no reply within {timeout_s:.1f}s")
-            tag, value, seconds = self._conn.recv()
+            tag, value, seconds = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise ChannelClosed(f"{self.name}: connection lost: {exc!r}") from exc
         if tag == _ERROR:
