@@ -25,6 +25,14 @@ step:
 6. release    one slot-service call frees the slots of requests that ended;
               their target KV is freed in the next target call.
 
+A DSpark block drafter (engine/dspark_proposer.py) builds its context from
+the target's hidden states: the target returns them for the positions each
+row committed (``VerifyResult.context``), the request keeps them
+(``Request.context``) and its next proposal carries them to the draft
+(``ProposeRow.context``), which lets go of them only once that proposal came
+back. They are kept by request, never by batch row; a preempted request's
+recompute sends them again from position 0, replacing what was kept.
+
 Speculation is only an accelerator: if the draft service fails, the step runs
 without drafts and output is unchanged. If the target fails, no request is
 lost either: the running ones are preempted by recompute (slot, draft cache
@@ -43,7 +51,9 @@ draft and target lengths are always those its last commit left; it
 speculates and samples exactly as in the sequential engine (randomness is
 a function of seed and position), so output is the same. A drafted request
 is not preempted before its verification (its KV need is held for it), and
-one that ends in between (abort) is dropped from the verification. Both
+one that ends in between (abort) is dropped from the verification. (So a
+DSpark request's context states, committed with its verification, go out
+with its next proposal, a later step: never lost, never sent twice.) Both
 calls are always collected before ``step`` returns, so between steps nothing
 is in flight. New requests join the half being drafted; the halves are
 balanced (neither takes more than half of the runnable requests), and with a
@@ -182,6 +192,8 @@ class Engine:
         self.pipelined = (config.pipeline and draft is not None and hasattr(draft, "propose_async")
                           and hasattr(target, "step_async"))
         self._drafted: _Drafted | None = None
+        # A DSpark draft reads at most this many context positions before a block (None: all).
+        self.context_window: int | None = getattr(draft, "context_window", None)
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines = 0  # requests ever given a deadline (expire() has nothing to do without one)
         # Adaptive speculation (engine/adaptive.py): each step's k, from acceptance and step times.
@@ -665,31 +677,37 @@ class Engine:
 
     def _send_proposal(self, plan: StepPlan, sampling: dict[str, SamplingRow], call):
         """The draft call for ``plan``'s speculating rows through ``call`` (``propose`` or
-        ``propose_async``): None if none speculates, else (rows, its reply, pending call or error)."""
+        ``propose_async``): None if none speculates, else (rows, the context states sent with
+        them, its reply: pending call or error)."""
         rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
         if not rows:
             return None
         propose_rows = [
             ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
                        sampling[r.req_id],
-                       None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)))
+                       None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)),
+                       r.context)
             for r in rows
         ]
+        sent = [r.context for r in rows]
         try:
-            return rows, call(propose_rows)
+            return rows, sent, call(propose_rows)
         except Exception as exc:  # noqa: BLE001 - e.g. DraftUnavailable: handled with the reply
-            return rows, exc
+            return rows, sent, exc
 
     def _collect_proposal(self, proposing) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         if proposing is None:
             return {}
-        rows, reply = proposing
+        rows, sent, reply = proposing
         try:
             if isinstance(reply, Exception):
                 raise reply
             proposal: Proposal = reply if isinstance(reply, Proposal) else reply.result()
         except Exception as exc:  # noqa: BLE001 - speculation is optional
-            return self._draft_failed(rows, exc)
+            return self._draft_failed(rows, exc)  # the context states are sent again next time
+        for r, context in zip(rows, sent):
+            if r.context is context:  # the draft has them now
+                r.context = None
         probs = proposal.draft_probs
         return {
             r.req_id: (proposal.draft_token_ids[i], None if probs is None else probs[i])
@@ -707,6 +725,10 @@ class Engine:
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []
         for i, (r, accepted, emitted) in enumerate(zip(plan.rows, result.num_accepted, result.emitted)):
+            if result.context is not None and result.context[i] is not None and r.num_spec_tokens:
+                new = result.context[i]
+                r.context = new.last(self.context_window) if r.context is None else \
+                    r.context.then(new, self.context_window)
             if result.cached_tokens is not None and result.cached_tokens[i]:
                 r.cached_tokens += result.cached_tokens[i]
                 self.counters.prefix_cache_hit_tokens += result.cached_tokens[i]

@@ -75,13 +75,47 @@ class GrammarRow:
 
 
 @dataclass(frozen=True)
+class ContextStates:
+    """A DSpark draft's context: the target's residual stream after the draft's target layers
+    (``dspark_ray.model.dspark``), concatenated, at consecutive committed positions ``start ..``."""
+
+    start: int
+    states: torch.Tensor  # [n, n_taps * hidden]
+
+    def __len__(self) -> int:
+        return self.states.shape[0]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self)
+
+    def then(self, later: ContextStates, keep: int | None = None) -> ContextStates:
+        """These positions followed by ``later``'s, which win where both have one (the target
+        recomputed them after a preemption); after a gap only ``later``'s. At most the last
+        ``keep`` positions are kept (a block reads no further back)."""
+        if later.start <= self.start or later.start > self.end:
+            merged = later
+        else:
+            merged = ContextStates(self.start, torch.cat((self.states[:later.start - self.start], later.states)))
+        return merged.last(keep)
+
+    def last(self, keep: int | None) -> ContextStates:
+        """Only the last ``keep`` positions (all if None)."""
+        if keep is None or len(self) <= keep:
+            return self
+        return ContextStates(self.end - keep, self.states[len(self) - keep:])
+
+
+@dataclass(frozen=True)
 class ProposeRow:
     """Ask the draft for ``num_draft`` tokens after ``token_ids``.
 
     The draft first cuts its cache for ``slot`` back to ``start`` positions
     (dropping rejected provisional tokens), then feeds ``token_ids`` at
     positions ``start ..`` (catching up on what the target accepted), then
-    drafts. A new ``epoch`` for the slot means its cache is empty.
+    drafts. A new ``epoch`` for the slot means its cache is empty. (A DSpark
+    draft reads only the last token, its block's anchor at position
+    ``start + len(token_ids) - 1``, and ``context``.)
     """
 
     slot: int
@@ -91,6 +125,10 @@ class ProposeRow:
     num_draft: int
     sampling: SamplingRow
     grammar: GrammarRow | None = None  # structured output: drafts follow the grammar
+    # A DSpark draft (engine/dspark_proposer.py): the target's context states of the committed
+    # positions not sent to the draft before (VerifyResult.context, kept by the engine per
+    # request until its next proposal); None: nothing new. An independent draft ignores it.
+    context: ContextStates | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +190,9 @@ class VerifyResult:
     cached_tokens: list[int] | None = None
     # Per row: positions a partial prefill committed (cached and fed); 0 for other rows.
     prefilled: list[int] | None = None
+    # A target with taps (a DSpark draft): per row, its tap states at the positions it committed
+    # and computed this step (fed tokens and accepted drafts; not positions its prefix cache served).
+    context: list[ContextStates | None] | None = None
 
 
 class SlotService(Protocol):
@@ -176,6 +217,8 @@ class DraftService(Protocol):
     # Optional: ``propose_async(rows) -> Pending[Proposal]``. A draft service and a target
     # service that both have it run in other processes, and the engine pipelines its steps
     # (Engine docstring): one half of the batch is drafted while the other half is verified.
+    # Optional: ``context_window: int``, the most context positions before a block a DSpark draft
+    # reads; the engine keeps no more of a request's ProposeRow.context than that.
 
 
 class TargetService(Protocol):

@@ -3,18 +3,29 @@
 ``make_target_runner`` and ``make_draft_proposer`` are what every target
 shard and the draft worker call too, so the in-process engine and the
 distributed one are built the same way.
+
+The draft is one of two kinds, told apart by its config.json
+(``is_dspark_checkpoint``): an independent small language model
+(``DraftProposer``) or DSpark's block drafter (``DSparkProposer``), whose
+context is the target's hidden states at a few layers, so its target runs
+with ``taps`` (and without its prefix cache: ``make_target_runner``).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.draft_proposer import DraftProposer
+from dspark_ray.engine.dspark_proposer import DSparkProposer
 from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
 from dspark_ray.model import ModelConfig, load
+from dspark_ray.model.dspark import DSparkConfig, TargetHeads, check_fits, is_dspark_checkpoint, load_dspark
+from dspark_ray.model.llama import CausalLM
 from dspark_ray.model.rope import check_max_context
 from dspark_ray.model.mla import refuse_as_draft
 from dspark_ray.model.tp import TensorParallel
@@ -48,11 +59,37 @@ def draft_runtime_dtype(config: EngineConfig) -> str:
     return runtime_dtype(config.draft_dtype, config.device)
 
 
+def uses_dspark(config: EngineConfig) -> bool:
+    """Whether the engine speculates with a DSpark block drafter (by the draft's config.json)."""
+    return bool(config.draft) and config.spec_tokens > 0 and is_dspark_checkpoint(config.draft)
+
+
+def check_draft(config: EngineConfig, tokenizer: Tokenizer) -> None:
+    """Refuse a draft that cannot serve with this target, from the config files alone (before any
+    weight is read): tokenizers that differ, an MLA model as an independent draft, a DSpark draft
+    whose target layers, hidden size or vocabulary do not fit the target (``DraftTargetMismatch``).
+    A DSpark checkpoint may ship no tokenizer (it reads the target's ids); one it ships must match."""
+    if not config.draft:
+        return
+    if is_dspark_checkpoint(config.draft):
+        check_fits(DSparkConfig.from_path(config.draft), ModelConfig.from_path(config.model))
+        if (Path(config.draft) / "tokenizer.json").is_file():
+            check_compatible(tokenizer, Tokenizer.from_path(config.draft))
+        return
+    check_compatible(tokenizer, Tokenizer.from_path(config.draft))
+    refuse_as_draft(ModelConfig.from_path(config.draft))
+
+
 def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: TensorParallel | None = None) -> TargetRunner:
     """The target (or this rank's shard of it) with its KV pool and request-to-token table.
 
     ``vocab_limit``: the tokenizer's vocabulary size; models may pad their
     embeddings past it, and those ids must never come out.
+    With a DSpark draft the target also returns its hidden states at the draft's target layers
+    (``taps``), and its prefix cache is off: positions it serves from the cache are never
+    computed, so the draft's context would lack them, and then a request's drafts (and, for a
+    seeded sampled request, its tokens) would depend on what other requests left in the cache
+    (invariant 3). A DSpark context cache beside the prefix cache would lift this.
     Raises ContextTooLong if ``max_context`` exceeds the model's context length
     (``dspark_ray.model.rope.max_context_length``). On CUDA the KV pool takes the memory the
     weights leave (``kv_pool_tokens`` unless set), and a deployment that cannot fit raises
@@ -67,11 +104,21 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
         plan = check_fits(config, tp)
     model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp)
     kv_tokens = config.kv_tokens if plan is None else cuda_pool_tokens(config, plan, tp)
+    taps = DSparkConfig.from_path(config.draft).target_layer_ids if uses_dspark(config) else None
+    prefix_block = PREFIX_BLOCK if config.enable_prefix_caching and taps is None else None
     return TargetRunner(model, config.capacity, config.max_context, kv_tokens + 1, config.spec_tokens,
-                        vocab_limit, PREFIX_BLOCK if config.enable_prefix_caching else None)
+                        vocab_limit, prefix_block, taps)
 
 
-def make_draft_proposer(config: EngineConfig, vocab_limit: int | None) -> DraftProposer:
+def make_draft_proposer(config: EngineConfig, vocab_limit: int | None,
+                        target: CausalLM | None = None) -> DraftProposer | DSparkProposer:
+    """The draft service for ``config.draft``. A DSpark draft shares the target's embedding and LM
+    head: ``target``'s when it is loaded in this process (unsharded), else read from its checkpoint."""
+    if is_dspark_checkpoint(config.draft):
+        heads = TargetHeads.of(target) if target is not None else TargetHeads.read(
+            config.model, runtime_dtype(config.dtype, config.device), config.device)
+        model = load_dspark(config.draft, heads, draft_runtime_dtype(config), config.device)
+        return DSparkProposer(model, config.capacity, config.max_context, config.spec_tokens, vocab_limit)
     refuse_as_draft(ModelConfig.from_path(config.draft))  # before any weight is read
     model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device)
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
@@ -91,11 +138,12 @@ class LocalServices:
         tokenizer = Tokenizer.from_path(config.model)
         self.vocab_limit = tokenizer.vocab_size
         self.slots = SlotRegistry(config.capacity)
+        if config.spec_tokens > 0:
+            check_draft(config, tokenizer)
         self.target = make_target_runner(config, self.vocab_limit)
         self.draft = None
         if config.draft and config.spec_tokens > 0:
-            check_compatible(tokenizer, Tokenizer.from_path(config.draft))
-            self.draft = make_draft_proposer(config, self.vocab_limit)
+            self.draft = make_draft_proposer(config, self.vocab_limit, self.target.model)
 
     @classmethod
     def build(cls, app_config, app_name: str = "", replica: str = "") -> LocalServices:
@@ -111,10 +159,9 @@ class LocalServices:
 
 
 def build_local_engine(config: EngineConfig, owner: str = "local") -> Engine:
+    """An engine whose services are plain objects in this process (a bad draft is refused first)."""
     tokenizer = Tokenizer.from_path(config.model)
+    check_draft(config, tokenizer)
     target = make_target_runner(config, tokenizer.vocab_size)
-    draft = None
-    if config.draft:
-        check_compatible(tokenizer, Tokenizer.from_path(config.draft))
-        draft = make_draft_proposer(config, tokenizer.vocab_size)
+    draft = make_draft_proposer(config, tokenizer.vocab_size, target.model) if config.draft else None
     return Engine(config, tokenizer, SlotRegistry(config.capacity), target, draft, owner=owner)

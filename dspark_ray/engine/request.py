@@ -117,6 +117,9 @@ class Request:
     # Structured output: the matcher of the committed output (a structured.Grammar; this module
     # keeps no torch or llguidance import).
     grammar: Any = None
+    # A DSpark draft: the target's context states (an interfaces.ContextStates) of the committed
+    # positions the draft has not been sent yet; handed to the next proposal, dropped once it succeeded.
+    context: Any = None
 
     @functools.cached_property
     def distinct_prompt_ids(self) -> tuple[int, ...]:

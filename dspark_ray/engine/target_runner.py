@@ -6,6 +6,13 @@ for the accepted prefix only. Prefill is the same operation with more unseen
 tokens and no drafts; a partial prefill (``VerifyRow.chunk``) feeds at most
 its chunk, keeps the KV of everything it fed and emits nothing.
 
+With ``taps`` (a DSpark draft's target layers) the forward also keeps the
+residual stream after those layers, and the result carries, per row, the
+concatenated taps of the positions it committed (``VerifyResult.context``):
+the draft's context is made of them. Positions its prefix cache served were
+not computed, so a row's context starts after them; ``make_target_runner``
+therefore turns the prefix cache off when the draft is a DSpark one.
+
 KV layout (SGLang's three levels): slot -> ``ReqToTokenTable`` row ->
 token indices -> per-layer K/V pools ``[kv_pool_size, kv_heads, head_dim]`` (a
 multi-head-latent-attention model, DeepSeek-V3: per-layer latent pools instead,
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark_kernels import ops
-from dspark_ray.engine.interfaces import TargetStep, VerifyResult, VerifyRow
+from dspark_ray.engine.interfaces import ContextStates, TargetStep, VerifyResult, VerifyRow
 from dspark_ray.engine.latent_attention import LatentKVPool
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
 from dspark_ray.engine.structured import apply_masks
@@ -194,10 +201,14 @@ class TargetRunner:
         max_spec_tokens: int,
         vocab_limit: int | None = None,
         prefix_block: int | None = PREFIX_BLOCK,
+        taps: tuple[int, ...] | None = None,
     ) -> None:
         """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never emitted.
-        ``prefix_block``: tokens per prefix-cache block; None turns prefix caching off."""
+        ``prefix_block``: tokens per prefix-cache block; None turns prefix caching off.
+        ``taps``: layers (ascending, -1 = the embedding output) whose output each step also returns
+        for the committed positions (a DSpark draft's ``target_layer_ids``); None: none, at no cost."""
         self.model = model
+        self.taps = taps
         self.max_spec_tokens = max_spec_tokens
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.config.vocab_size else None
         param = next(model.parameters())
@@ -269,7 +280,7 @@ class TargetRunner:
         rows, cached = self._map_cached(rows)
         counts = [len(r.token_ids) + len(r.draft_token_ids) for r in rows]
         indices = self.kv.append([r.slot for r in rows], counts)
-        logits, prompt_logits = self._forward(rows, counts, indices)  # [B, K+1, V], per row [n-1, V]
+        logits, prompt_logits, taps = self._forward(rows, counts, indices)  # [B, K+1, V], per row [n-1, V]
         emitted, accepted = self._verify(rows, logits, batch.draft_probs)
         for b, r in enumerate(rows):
             if r.chunk:  # a prefill chunk: all its KV stays, nothing comes out
@@ -287,7 +298,23 @@ class TargetRunner:
             prompt_logprobs = [self._prompt_logprobs(r, prompt_logits.get(b)) for b, r in enumerate(rows)]
         return VerifyResult(num_accepted=accepted, emitted=emitted, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, cached_tokens=cached,
-                            prefilled=[k - s if r.chunk else 0 for r, k, s in zip(rows, kept, starts)])
+                            prefilled=[k - s if r.chunk else 0 for r, k, s in zip(rows, kept, starts)],
+                            context=None if taps is None else self._context(rows, counts, kept, taps))
+
+    @staticmethod
+    def _context(
+        rows: list[VerifyRow],
+        counts: list[int],
+        kept: list[int],  # per row: its KV length after the step
+        taps: torch.Tensor,  # [N, n_taps * hidden]: the packed step's taps
+    ) -> list[ContextStates | None]:
+        """Each row's taps at the positions it committed: its fed tokens and accepted drafts
+        (copies, so the step's activations are not kept alive by the rejected ones)."""
+        out, offset = [], 0
+        for r, n, k in zip(rows, counts, kept):
+            out.append(ContextStates(r.start, taps[offset:offset + k - r.start].clone()) if k > r.start else None)
+            offset += n
+        return out
 
     @staticmethod
     def _prompt_logprobs(row: VerifyRow, logits: torch.Tensor | None) -> list[TokenLogprob | None] | None:
@@ -311,10 +338,11 @@ class TargetRunner:
                     f"slot {r.slot} (epoch {r.epoch}) holds {held} KV positions but the step starts at {r.start}"
                 )
 
-    def _forward(self, rows: list[VerifyRow], counts: list[int],
-                 indices: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Logits at each row's last k+1 entries [B, K+1, V], and for rows asking for prompt
-        log-probabilities the logits before each of their fed tokens (row b -> [n_b - 1, V]).
+    def _forward(self, rows: list[VerifyRow], counts: list[int], indices: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+        """Logits at each row's last k+1 entries [B, K+1, V], for rows asking for prompt
+        log-probabilities the logits before each of their fed tokens (row b -> [n_b - 1, V]),
+        and with ``taps`` the packed step's taps [N, n_taps * hidden] (else None).
 
         The rows' tokens are packed into one sequence (``PackedAttention``); a
         row's k+1 logits positions past its own tokens (fewer drafts than k)
@@ -340,8 +368,10 @@ class TargetRunner:
         else:
             attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups, self.sliding_window)
         backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
+        taps = None if self.taps is None else dict.fromkeys(self.taps)
         with backends:
-            hidden = self.model.hidden_states(tokens[None].to(dev), positions[None].to(dev), attention)[0]  # [N, H]
+            hidden = self.model.hidden_states(tokens[None].to(dev), positions[None].to(dev), attention,
+                                              taps=taps)[0]  # [N, H]
         # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
         first = torch.tensor([offsets[b] + len(r.token_ids) - 1 for b, r in enumerate(rows)])
         last = torch.tensor(offsets[1:]) - 1
@@ -351,7 +381,8 @@ class TargetRunner:
             b: mask_vocab(self.model.logits(hidden[offsets[b]:offsets[b] + len(r.token_ids) - 1]), self.vocab_limit)
             for b, r in enumerate(rows) if r.prompt_logprobs is not None
         }
-        return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits
+        tapped = None if taps is None else torch.cat([taps[i][0] for i in self.taps], dim=-1)
+        return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits, tapped
 
     def _group(self, rows: list[VerifyRow], counts: list[int], offsets: list[int],
                members: list[int]) -> AttentionGroup:

@@ -9,7 +9,8 @@ whose last sampled token ``x`` sits at position ``p0``:
    (``hidden_norm``); each draft layer turns that into its own context K/V with
    its ``k_proj``/``v_proj`` (K also through ``k_norm`` and RoPE at the
    position). This is per position, so it is computed once when the target
-   commits a position and kept in a per-slot ring (``dspark_ray.slots.context_ring``).
+   commits a position and kept in a per-slot ring (``dspark_ray.slots.context_ring``;
+   the engine's draft service over both: ``dspark_ray.engine.dspark_proposer``).
 2. **Block.** The query block is ``[x, mask, .., mask]`` at positions
    ``p0 .. p0+S-1`` (``S`` = the block size, or fewer). It runs through the
    draft's Qwen3 decoder layers; each layer's attention sees the context K/V
@@ -48,7 +49,7 @@ from torch import nn
 
 from dspark_ray.model.config import ModelConfig
 from dspark_ray.model.errors import CheckpointFileMissing, ModelLoadError, TensorMissing, TensorShapeMismatch
-from dspark_ray.model.llama import CausalAttention, CausalLM, DecoderLayer, Linear, RMSNorm, apply_rope
+from dspark_ray.model.llama import CausalLM, DecoderLayer, Linear, RMSNorm, apply_rope
 from dspark_ray.model.loader import check_device_dtype, resolve_dtype, weight_files
 from dspark_ray.model.rope import rope_attention_scaling, rope_inv_freq
 
@@ -583,19 +584,9 @@ def tap_hidden_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, T, hidden] final normed, [B, T, n * hidden] taps)
     """The target's forward that also returns the residual stream after ``layer_ids`` (vLLM's
     auxiliary hidden states): what a DSpark draft's context is made of."""
-    if positions is None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    if attention is None:
-        attention = CausalAttention(target.config.sliding_window)
-    wanted = set(layer_ids)
-    x = target.model.embed_tokens(input_ids)
-    taps = [x] if -1 in wanted else []
-    cos, sin = target.rope(positions, x.dtype)
-    for i, layer in enumerate(target.model.layers):
-        x = layer(i, x, cos, sin, attention)
-        if i in wanted:
-            taps.append(x)
-    return target.model.norm(x), torch.cat(taps, dim=-1)
+    taps: dict[int, torch.Tensor | None] = dict.fromkeys(layer_ids)
+    hidden = target.hidden_states(input_ids, positions, attention, taps=taps)
+    return hidden, torch.cat([taps[i] for i in layer_ids], dim=-1)
 
 
 # -- loading -----------------------------------------------------------------------------------

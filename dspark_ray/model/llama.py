@@ -275,15 +275,23 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [B, T] int64
         positions: torch.Tensor | None = None,  # [B, T] int64, default 0..T-1
         attention: Attention | None = None,
+        taps: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:  # [B, T, hidden], after the final norm
+        """``taps``: layer ids (-1: the embedding output) whose residual stream output is also wanted;
+        each entry is set to that layer's ``[B, T, hidden]`` output (a DSpark draft's context,
+        ``dspark_ray.model.dspark.tap_hidden_states``)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if attention is None:
             attention = CausalAttention(self.config.sliding_window)
         x = self.model.embed_tokens(input_ids)
+        if taps is not None and -1 in taps:
+            taps[-1] = x
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, cos, sin, attention)
+            if taps is not None and i in taps:
+                taps[i] = x
         return self.model.norm(x)
 
     @property

@@ -15,6 +15,7 @@ themselves are in ``workers.py``; per step, the facades talk to them through
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -23,7 +24,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.dspark_proposer import context_window
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
+from dspark_ray.engine.local import check_draft, uses_dspark
+from dspark_ray.model.dspark import DSparkConfig
 from dspark_ray.serve.channel import Channel, ChannelError, ChannelTimeout, encode, gather, new_key
 from dspark_ray.serve.deadline import StepDeadline
 from dspark_ray.serve.timeline import StepTimeline
@@ -36,6 +40,7 @@ from dspark_ray.slots import (
     SyncResult,
     start_slot_manager,
 )
+from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +161,9 @@ class RayTarget:
         self.deadline.observe(max(seconds for _, seconds in replies))
         now = self._last_reply = time.perf_counter()
         results = [result for (result, _), _ in replies]
-        if any(r != results[0] for r in results[1:]):
+        # Rank 0 alone returns a DSpark draft's context states (TargetShard.step); the rest must agree.
+        first = dataclasses.replace(results[0], context=None)
+        if any(r != first for r in results[1:]):
             raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
         if self.timeline is not None:
             compute = max(seconds for _, seconds in replies)
@@ -188,8 +195,12 @@ class RayDraft:
     """
 
     def __init__(self, worker, call_timeout_s: float, timeline: StepTimeline | None = None,
-                 deadline: StepDeadline | None = None, timeouts: WorkerTimeouts | None = None) -> None:
+                 deadline: StepDeadline | None = None, timeouts: WorkerTimeouts | None = None,
+                 context_window: int | None = None) -> None:
+        """``context_window``: a DSpark draft's (``dspark_proposer.context_window``; the engine keeps no
+        more of a request's context states than that); None for an independent draft."""
         self.worker = worker
+        self.context_window = context_window
         self.call_timeout_s = call_timeout_s
         self.timeline = timeline
         self.deadline = deadline or StepDeadline(call_timeout_s, floor_s=call_timeout_s)
@@ -344,6 +355,11 @@ class ReplicaServices:
         if slot_capacity < config.capacity:
             raise ValueError(f"a replica holding {config.capacity} slots needs an application capacity of at "
                              f"least that, got {slot_capacity}")
+        if config.draft and config.spec_tokens > 0:
+            # A draft that cannot serve with this target (tokenizers differ, an MLA model as a draft, a
+            # DSpark draft whose target layers, hidden size or vocabulary do not fit), from the config
+            # files alone: refused here, before any worker starts or reads a weight.
+            check_draft(config, Tokenizer.from_path(config.model))
         self.config, self.replica = config, replica
         self.call_timeout_s = call_timeout_s
         self.timeline = StepTimeline()  # transport vs compute of every step (GET /stats)
@@ -369,8 +385,11 @@ class ReplicaServices:
                 **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
                 max_restarts=-1, max_task_retries=0,
             ).remote(config, torch_threads, spin_s)
+            window = None
+            if uses_dspark(config):
+                window = context_window(DSparkConfig.from_path(config.draft), config.max_context)
             self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline, self.draft_deadline,
-                                  self.timeouts)
+                                  self.timeouts, window)
         self.slot_manager = _slot_manager_with_capacity(slot_capacity, app_name)
         self.slots = ReplicaSlots(RaySlots(self.slot_manager, slot_timeout_s), rows=config.capacity,
                                   app_capacity=slot_capacity)

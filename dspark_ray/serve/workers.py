@@ -16,6 +16,7 @@ other thread already used it; one thread also serialises the calls.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import socket
 import threading
@@ -156,6 +157,9 @@ class TargetShard(_ChannelWorker):
         """Verify one step; returns the result and the seconds this rank spent in all-reduces."""
         start = time.perf_counter()
         result = self.runner.step(batch)
+        if self.rank > 0 and result.context is not None:
+            # A DSpark draft's context states (the residual stream, the same on every rank): rank 0's go back.
+            result = dataclasses.replace(result, context=None)
         collective = self.collectives.take()
         self.metrics.observe(time.perf_counter() - start, collective)
         return result, collective
