@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import DRAFT, TARGET, load_prompts, machine, OUT_DIR
+from common import DRAFT, OUT_DIR, TARGET, load_prompts, machine
 from dspark_ray.engine import EngineConfig, SamplingParams
 from dspark_ray.engine.local import build_local_engine
 
@@ -52,7 +52,8 @@ class Run:
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
-    def mean(self, xs: list[float]) -> float:
+    @staticmethod
+    def median(xs: list[float]) -> float:
         return statistics.median(xs) if xs else 0.0
 
     @property
@@ -96,7 +97,7 @@ def decode(engine, batches: list[list[str]], max_tokens: int, k: int) -> Run:
     return run
 
 
-def engine_for(k: int, max_k: int):
+def engine_for(k: int):
     cfg = EngineConfig(model=str(TARGET), draft=str(DRAFT) if k else None, num_speculative_tokens=max(k, 1),
                        adaptive_speculation=False, pipeline=False, max_context=512, enable_prefix_caching=False)
     return build_local_engine(cfg)
@@ -115,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ks = list(range(args.max_k + 1))
-    engines = {k: engine_for(k, args.max_k) for k in ks}
+    engines = {k: engine_for(k) for k in ks}
     lines = [f"# Speculation's costs ({machine()}; shipped pair, greedy, "
              f"{args.max_tokens} tokens, best of {args.rounds} interleaved rounds)", ""]
     for b in args.batches:
@@ -131,24 +132,24 @@ def main() -> None:
                 if k not in best or r.tok_s > best[k].tok_s:
                     best[k] = r
         base = best[0]
-        v0 = base.mean(base.verify) + base.mean(base.draft)
+        v0 = base.median(base.verify) + base.median(base.draft)
         lines += [f"## batch {b}", "",
                   "| k | D_k draft ms | V_k target ms | V_k / V_0 | O_k engine ms | P(first i accepted), i = 1..k "
                   "| E_k tokens/step | tok/s measured | tok/s formula | speed-up measured | speed-up formula |",
                   "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
         for k in ks:
             r = best[k]
-            d, v, o = r.mean(r.draft), r.mean(r.verify), r.mean(r.own)
+            d, v, o = r.median(r.draft), r.median(r.verify), r.median(r.own)
             formula = b * r.expected / (d + v + o)
             rates = " / ".join(f"{a / r.proposed:.2f}" for a in r.accepted_per_position[:k]) if r.proposed else "-"
             lines.append(f"| {k} | {d * 1e3:.2f} | {v * 1e3:.2f} | {v / v0:.2f} | {o * 1e3:.2f} | {rates} "
                          f"| {r.expected:.2f} | {r.tok_s:.1f} | {formula:.1f} | {r.tok_s / base.tok_s:.2f}x "
-                         f"| {formula / (b * 1.0 / (v0 + base.mean(base.own))):.2f}x |")
+                         f"| {formula / (b * 1.0 / (v0 + base.median(base.own))):.2f}x |")
         k_best = max(ks[1:], key=lambda k: best[k].tok_s) if len(ks) > 1 else 0
         if k_best and b == 1:
             r = best[k_best]
-            d, v, o = r.mean(r.draft), r.mean(r.verify), r.mean(r.own)
-            step0 = v0 + base.mean(base.own)
+            d, v, o = r.median(r.draft), r.median(r.verify), r.median(r.own)
+            step0 = v0 + base.median(base.own)
             # goal = E * step0 / (D + V + O): the draft budget at this acceptance, the acceptance at this cost
             budget = r.expected * step0 / args.goal - v - o
             needed = args.goal * (d + v + o) / step0
