@@ -15,6 +15,7 @@ REPO = BENCH_DIR.parent
 OUT_DIR = BENCH_DIR / "out"
 TARGET = REPO / "models" / "shakespeare-target"
 DRAFT = REPO / "models" / "shakespeare-draft"
+DSPARK_DRAFT = REPO / "models" / "shakespeare-dspark"  # DSpark block draft for the same target
 
 
 def load_prompts(n: int) -> list[str]:
@@ -30,6 +31,7 @@ class Row:
     output_tokens: int
     seconds: float
     mean_acceptance_length: float | None = None
+    draft_ms_per_step: float | None = None  # wall time in the draft service per engine step that drafted
 
     @property
     def tokens_per_s(self) -> float:
@@ -44,14 +46,20 @@ def machine(device: str = "cpu") -> str:
 
 
 def table(rows: list[Row], baseline: dict[int, Row]) -> str:
-    """Markdown: one line per row, with its ratio to the baseline row of the same batch."""
-    lines = ["| system | batch | output tok/s | vs baseline | mean acceptance length |",
-             "|---|---:|---:|---:|---:|"]
+    """Markdown: one line per row, with its ratio to the baseline row of the same batch (and the
+    draft's time per step when some row measured it)."""
+    cost = any(r.draft_ms_per_step is not None for r in rows)
+    lines = ["| system | batch | output tok/s | vs baseline | mean acceptance length |"
+             + (" draft ms / step |" if cost else ""),
+             "|---|---:|---:|---:|---:|" + ("---:|" if cost else "")]
     for r in rows:
         base = baseline.get(r.batch)
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
         acc = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length else "-"
-        lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | {acc} |")
+        line = f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | {acc} |"
+        if cost:
+            line += f" {r.draft_ms_per_step:.2f} |" if r.draft_ms_per_step is not None else " - |"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -900,9 +900,18 @@ def dspark_server(args: argparse.Namespace) -> DsparkServed:
 
 
 def vllm_server(args: argparse.Namespace) -> VllmServed:
+    from dspark_ray.model.dspark import is_dspark_checkpoint
+
     app = app_of(args.yaml)
     if not app["draft"]:
         raise SystemUnavailable(f"{args.yaml} serves no draft; vLLM's draft_model speculation needs one")
+    if is_dspark_checkpoint(app["draft"]):
+        # vLLM 0.32's CPU build cannot run speculative method dspark (its V1 runner refuses it, the V2
+        # runner needs Triton: tests/vllm_dspark_pieces.py), so it gets its best speculation on CPU for
+        # the same target: draft_model with the independent draft (--vllm-draft).
+        print(f"   vLLM: {app['draft']} is a DSpark draft, which vLLM's CPU build cannot run; it speculates "
+              f"with {args.vllm_draft} (draft_model)", file=sys.stderr, flush=True)
+        app = {**app, "draft": str(Path(args.vllm_draft).resolve())}
     return VllmServed(args.cli, app, args.vllm_port or free_port(), args.threads, args.raw, args.startup_timeout)
 
 
@@ -1032,6 +1041,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
     ap.add_argument("--port", type=int, default=0, help="dspark's HTTP port (default: a free one)")
     ap.add_argument("--vllm-port", type=int, default=0, help="vLLM's HTTP port (default: a free one)")
+    ap.add_argument("--vllm-draft", type=Path, default=REPO / "models" / "shakespeare-draft",
+                    help="vLLM's draft model when the YAML's draft is a DSpark block draft, which vLLM's CPU "
+                         "build cannot run (default %(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                     help="vLLM's OpenMP threads and the in-process engine's torch threads (default: all cores)")
     ap.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the benchmark's own Ray head")

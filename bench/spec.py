@@ -1,6 +1,6 @@
 """Speculation vs none, in one process, side by side; plus transformers' assisted generation.
 
-    .venv/bin/python bench/spec.py                 # shipped pair, batches 1 8 32
+    .venv/bin/python bench/spec.py                 # shipped target: no draft, its draft, its DSpark draft
     .venv/bin/python bench/spec.py --batches 1 --max-tokens 128
     python bench/spec.py --device cuda --no-transformers      # on a GPU box
     python bench/spec.py --device cuda --no-transformers --paged-attention  # the Triton paged kernel
@@ -9,31 +9,61 @@
 Every configuration generates a fixed number of tokens (ignore_eos) from
 held-out prompts, greedily. Batch 1 runs several prompts one after another;
 larger batches run that many prompts at once. The ratio column compares each
-row with dspark_ray without speculation at the same batch size.
+row with dspark_ray without speculation at the same batch size. Two drafters
+for the same target: the independent draft model (models/shakespeare-draft, k
+sequential passes per step) and the DSpark block draft (models/shakespeare-dspark,
+one pass per step over the target's hidden states); "draft ms / step" is the
+wall time spent in the draft service per engine step that drafted.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
 import torch
 
-from common import DRAFT, TARGET, Row, Timer, load_prompts, machine, save, table
+from common import DRAFT, DSPARK_DRAFT, TARGET, Row, Timer, load_prompts, machine, save, table
 from dspark_ray import LLM, SamplingParams
+
+
+class DraftClock:
+    """Wraps the in-process draft service's ``propose``: wall seconds and calls (one per step that drafts)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.draft = llm.engine.draft
+        self.propose = self.draft.propose
+        self.draft.propose = self
+        self.seconds, self.calls = 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.propose(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
 
 
 def run_dspark(llm: LLM, batch: int, repeats: int, max_tokens: int, label: str) -> Row:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate(load_prompts(batch), params)  # warm-up
+    clock = DraftClock(llm) if llm.engine.draft is not None else None
     tokens, seconds, acc = 0, 0.0, []
     prompts = load_prompts(batch * repeats)
-    for i in range(repeats):
-        with Timer() as t:
-            outs = llm.generate(prompts[i * batch:(i + 1) * batch], params)
-        seconds += t.seconds
-        tokens += sum(len(o.token_ids) for o in outs)
-        acc += [o.spec.mean_acceptance_length for o in outs if o.spec and o.spec.drafts]
-    return Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None)
+    try:
+        for i in range(repeats):
+            with Timer() as t:
+                outs = llm.generate(prompts[i * batch:(i + 1) * batch], params)
+            seconds += t.seconds
+            tokens += sum(len(o.token_ids) for o in outs)
+            acc += [o.spec.mean_acceptance_length for o in outs if o.spec and o.spec.drafts]
+    finally:
+        if clock is not None:
+            clock.draft.propose = clock.propose
+    cost = 1000 * clock.seconds / clock.calls if clock is not None and clock.calls else None
+    return Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None, cost)
 
 
 def run_transformers(prompts: list[str], max_tokens: int, k: int) -> list[Row]:
@@ -66,6 +96,11 @@ def main() -> None:
     ap.add_argument("--repeats-at-1", type=int, default=8, help="prompts run one after another at batch 1")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dspark-draft", default=str(DSPARK_DRAFT),
+                    help="the DSpark block draft to compare (a path; '' to leave it out)")
+    ap.add_argument("--no-independent", action="store_true", help="leave out the independent draft model")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="every step drafts k tokens (default: adaptive speculation, the engine's default, at most k)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's (bf16) on CUDA")
@@ -81,9 +116,17 @@ def main() -> None:
 
         target_runner.PAGED_KERNEL = True
 
-    common = dict(max_context=512, capacity=64, max_num_seqs=64, device=args.device, dtype=args.dtype)
+    common = dict(max_context=512, capacity=64, max_num_seqs=64, device=args.device, dtype=args.dtype,
+                  adaptive_speculation=not args.fixed_k)
+    k_label = f"k={args.k}" if args.fixed_k else f"adaptive k<={args.k}"
     base = LLM(str(TARGET), None, **common)
-    spec = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)
+    specs = []  # (label, engine)
+    if not args.no_independent:
+        specs.append((f"dspark_ray, independent draft, {k_label}",
+                      LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)))
+    if args.dspark_draft and Path(args.dspark_draft).is_dir():
+        specs.append((f"dspark_ray, DSpark block draft, {k_label}",
+                      LLM(str(TARGET), args.dspark_draft, num_speculative_tokens=args.k, **common)))
     graphs = None
     if args.cuda_graphs and args.device != "cpu":
         from dspark_ray.engine import draft_proposer
@@ -95,11 +138,12 @@ def main() -> None:
     for b in args.batches:
         repeats = args.repeats_at_1 if b == 1 else 1
         baseline[b] = run_dspark(base, b, repeats, args.max_tokens, "dspark_ray, no speculation")
-        rows += [baseline[b], run_dspark(spec, b, repeats, args.max_tokens, f"dspark_ray, speculation k={args.k}")]
+        added = [baseline[b]] + [run_dspark(llm, b, repeats, args.max_tokens, label) for label, llm in specs]
         if graphs is not None:
-            rows.append(run_dspark(graphs, b, repeats, args.max_tokens,
-                                   f"dspark_ray, speculation k={args.k}, draft CUDA graphs"))
-        print(table(rows[-3 if graphs else -2:], baseline).split("\n", 2)[2], flush=True)
+            added.append(run_dspark(graphs, b, repeats, args.max_tokens,
+                                    f"dspark_ray, independent draft, {k_label}, draft CUDA graphs"))
+        rows += added
+        print(table(added, baseline).split("\n", 2)[2], flush=True)
     if 1 in args.batches and not args.no_transformers and args.device == "cpu":
         rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
     attention = "the paged kernel" if args.paged_attention and args.device != "cpu" else "gather + SDPA"

@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_TARGET = REPO / "models" / "shakespeare-target"
 SHIPPED_DRAFT = REPO / "models" / "shakespeare-draft"
+SHIPPED_DSPARK = REPO / "models" / "shakespeare-dspark"  # the target's DSpark block draft
 
 # The smallest shapes that still exercise GQA, several layers and several heads.
 TINY = dict(

@@ -23,6 +23,7 @@ from dspark_ray.serve.channel import (
     encode,
     gather,
     new_key,
+    serve_call,
 )
 
 
@@ -200,3 +201,36 @@ def test_tensors_cross_between_unrelated_processes():
         assert torch.equal(doubled, x * 2)
     finally:
         proc.kill()
+
+
+def test_both_ends_send_without_nagle_delay():
+    """A message over 16 KiB leaves ``send_bytes`` as two writes (length, then payload); with
+    Nagle's algorithm on, the payload waited for the peer's delayed ACK (10-20 ms a DSpark draft
+    call). Both ends' sockets have TCP_NODELAY, and a large message crosses intact."""
+    import socket
+
+    def nodelay(conn) -> int:
+        with socket.socket(fileno=conn.fileno()) as sock:
+            try:
+                return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            finally:
+                sock.detach()
+
+    seen = []
+
+    def attach(conn, handler) -> None:
+        seen.append(nodelay(conn))
+        threading.Thread(target=lambda: [None for _ in iter(lambda: serve_call(conn, handler), False)],
+                         daemon=True).start()
+
+    key = new_key()
+    server = ChannelServer(Handler(), "127.0.0.1", key, attach=attach)
+    try:
+        ch = Channel(server.address, key, "w")
+        big = list(range(20_000))  # ~100 KB pickled
+        value, _ = ch.call("add", big, [1], timeout_s=5)
+        assert value == big + [1]
+        assert seen == [1] and nodelay(ch._conn) == 1
+        ch.close()
+    finally:
+        server.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
+from conftest import SHIPPED_DRAFT, SHIPPED_DSPARK, SHIPPED_TARGET, shipped
 from dspark_ray import LLM, SamplingParams
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
 from dspark_ray.engine.local import native_bf16_cpu
@@ -425,6 +425,26 @@ def test_shipped_pair_greedy_equals_transformers():
         assert a.token_ids == b.token_ids == ref
     accepted = sum(a.spec.accepted_tokens for a in spec) / sum(a.spec.draft_tokens for a in spec)
     assert accepted > 0.1, f"the trained draft agrees with the trained target on only {accepted:.0%} of drafts"
+
+
+@pytest.mark.parametrize("k", [4, 5, 7])
+def test_shipped_dspark_draft_greedy_equals_transformers(k):
+    """The shipped DSpark block draft (models/shakespeare-dspark): the target's greedy tokens for
+    every k; a k past its block of 5 drafts the block; and it drafts well, which it can only do
+    with the target's hidden states reaching it (its block sees nothing else of the context)."""
+    target = shipped(SHIPPED_TARGET, "model.safetensors")
+    draft = shipped(SHIPPED_DSPARK, "model.safetensors")
+    params = SamplingParams(max_tokens=48)
+    expected = shipped_reference(target, SHIPPED_PROMPTS, 48)
+    spec = LLM(target, draft, num_speculative_tokens=k, capacity=8, max_context=256,
+               adaptive_speculation=False).generate(SHIPPED_PROMPTS, params)
+    for a, ref in zip(spec, expected):
+        assert a.token_ids == ref
+    steps, drafted = sum(a.spec.drafts for a in spec), sum(a.spec.draft_tokens for a in spec)
+    # every step drafts min(k, the block), but a request's last steps draft no further than max_tokens
+    assert (min(k, 5) - 1) * steps < drafted <= min(k, 5) * steps
+    per_step = sum(a.spec.accepted_tokens for a in spec) / steps
+    assert per_step > 1.5, f"the DSpark draft keeps only {per_step:.2f} of its drafts per step"
 
 
 @pytest.mark.parametrize("draft", [False, True])

@@ -21,7 +21,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from conftest import REPO, SHIPPED_DRAFT, SHIPPED_TARGET
+from conftest import REPO, SHIPPED_DRAFT, SHIPPED_DSPARK, SHIPPED_TARGET, shipped
 from dspark_ray.model.memory import (
     DOES_NOT_FIT,
     FITS,
@@ -317,6 +317,28 @@ def test_the_shipped_cpu_deployment_fits_this_host(name):
     assert result.verdict == FITS and result.placement.device == "cpu"
     assert result.kv_pool_tokens == config.engine_config().kv_tokens  # today's CPU sizing, unchanged
     assert result.draft is not None and result.spec_tokens == config.num_speculative_tokens
+
+
+def test_a_dspark_draft_is_planned_as_it_loads():
+    """The shipped DSpark block draft: its planned weights are the loaded draft's parameters plus the
+    copy of the target's embedding its process holds, its cache the context ring (window + block per
+    slot, not draft_window + k), and a deployment serving it validates (it was refused before)."""
+    from dspark_ray.model.dspark import DSparkConfig, TargetHeads, load_dspark
+    from dspark_ray.serve.config import AppConfig
+    from dspark_ray.slots.context_ring import ContextRing
+
+    path = shipped(SHIPPED_DSPARK, "model.safetensors")
+    draft = load_dspark(path, TargetHeads.read(SHIPPED_TARGET), dtype="float32")
+    arch = architecture(json.loads((path / "config.json").read_text()))
+    assert arch.params == sum(p.numel() for p in draft.parameters()) + draft.embed.numel()
+    cfg = DSparkConfig.from_path(path)
+    config = AppConfig(**{**deploy_args("dspark.yaml"), "draft": str(path), "capacity": 8, "draft_window": 5})
+    result = config.memory_plan()
+    assert result.verdict == FITS
+    attn = draft.layers[0].self_attn
+    ring = ContextRing(cfg.backbone.num_layers, 8, cfg.window, cfg.block_size, attn.k_proj.out_features // attn.head_dim,
+                       attn.head_dim, dtype=torch.float32)
+    assert result.draft_costs.buffers == sum(t.numel() * t.element_size() for t in (*ring.k, *ring.v))
 
 
 def test_cpu_pool_is_the_engines_own_sizing():

@@ -158,6 +158,9 @@ class Architecture:
     dtype: str  # the checkpoint's torch_dtype
     fp8: FP8 | None  # its quantization_config
     notes: tuple[str, ...] = ()
+    # A DSpark block draft: (its context window, None = the whole context; its block size). Its ring
+    # holds window + block positions per slot, whatever the engine's draft_window and k.
+    block_draft: tuple[int | None, int] | None = None
 
     @property
     def params(self) -> int:
@@ -340,10 +343,32 @@ def _fp8(raw: dict) -> FP8 | None:
     return FP8(tuple(block) if block else None, tuple(sorted(skip)))
 
 
+def _dspark(name: str, raw: dict) -> Architecture:
+    """A DSpark block draft (dspark_ray/model/dspark.py): Qwen3 decoder layers, ``fc`` from the target's
+    concatenated layer states, the Markov (and confidence) head, and a copy of the target's embedding
+    (and untied LM head) in the draft's process; its KV is the per-slot context ring."""
+    from dspark_ray.model.dspark import DSparkConfig  # torch, only when a DSpark draft is planned
+
+    cfg = DSparkConfig.from_dict(raw)
+    layers, hidden, vocab = cfg.backbone.num_layers, cfg.hidden_size, cfg.vocab_size
+    tensors = [*_frame(raw, layers), *_gqa(raw, layers, False, False, True),
+               *_mlp("mlp", raw["intermediate_size"], hidden, layers),
+               Tensor("fc.weight", hidden, len(cfg.target_layer_ids) * cfg.target_hidden_size),
+               Tensor("hidden_norm.weight", hidden),
+               Tensor("markov_head.markov_w1.weight", vocab, cfg.markov_rank),
+               Tensor("markov_head.markov_w2.weight", cfg.draft_vocab_size or vocab, cfg.markov_rank)]
+    if cfg.confidence:
+        width = hidden + (cfg.markov_rank if cfg.confidence_with_markov else 0)
+        tensors += [Tensor("confidence_head.proj.weight", 1, width), Tensor("confidence_head.proj.bias", 1)]
+    arch = _architecture(name, raw, tensors, _gqa_layout(raw), raw["intermediate_size"], 0)
+    return dataclasses.replace(arch, block_draft=(cfg.window, cfg.block_size))
+
+
 FAMILIES: dict[str, Callable[[str, dict], Architecture]] = {
     "LlamaForCausalLM": _dense, "MistralForCausalLM": _dense, "Qwen2ForCausalLM": _dense,
     "Qwen3ForCausalLM": _dense, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen_moe,
     "Qwen3MoeForCausalLM": _qwen_moe, "DeepseekV2ForCausalLM": _deepseek, "DeepseekV3ForCausalLM": _deepseek,
+    "Qwen3DSparkModel": _dspark, "DSparkDraftModel": _dspark,
 }
 
 
@@ -533,9 +558,14 @@ def _target_costs(ck: Checkpoint, place: Placement, work: Workload, k: int) -> C
 
 def _draft_costs(ck: Checkpoint, place: Placement, work: Workload, k: int) -> Costs:
     """The draft, whole on rank 0's device: its weights, its window cache (``window + k`` positions
-    for every slot and the padding row) and one step's activations."""
+    for every slot and the padding row; a DSpark draft's context ring: its window + its block) and
+    one step's activations."""
     rows = min(work.max_num_seqs, work.capacity)
-    cache = (work.capacity + 1) * (work.draft_window + k) * ck.kv_bytes_per_token()
+    window, ahead = work.draft_window, k
+    if ck.arch.block_draft is not None:
+        ring_window, ahead = ck.arch.block_draft
+        window = min(ring_window or work.max_context, work.max_context)  # engine/dspark_proposer.context_window
+    cache = (work.capacity + 1) * (window + ahead) * ck.kv_bytes_per_token()
     workspace = _activations(ck, 1, work.max_num_batched_tokens, rows, max(k, 1))
     return Costs(ck.weight_bytes(), workspace, cache, RUNTIME_BYTES[place.device])
 
