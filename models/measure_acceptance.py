@@ -85,12 +85,24 @@ def greedy(model, ids: list[int], attention=None) -> int:
 def speculate(target, draft, prompt: list[int], new: int, k: int, window: int):
     """Returns (generated tokens, accepted count per step)."""
     win = CausalAttention(sliding_window=window)
+
+    def propose(seq: list[int]) -> list[int]:
+        proposal: list[int] = []
+        for _ in range(k):
+            proposal.append(greedy(draft, seq + proposal, win))
+        return proposal
+
+    return speculate_with(target, propose, prompt, new, k)
+
+
+@torch.no_grad()
+def speculate_with(target, propose, prompt: list[int], new: int, k: int):
+    """Greedy speculative decoding, every target pass over the whole sequence (no caches):
+    ``propose(tokens so far)`` gives k draft tokens; returns (generated tokens, accepted count per step)."""
     seq = list(prompt)
     per_step = []
     while len(seq) - len(prompt) < new:
-        proposal = []
-        for _ in range(k):
-            proposal.append(greedy(draft, seq + proposal, win))
+        proposal = propose(seq)
         verify = target(torch.tensor([seq + proposal]))[0, len(seq) - 1:].argmax(-1).tolist()  # k + 1
         n = 0
         while n < k and proposal[n] == verify[n]:

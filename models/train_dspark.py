@@ -331,29 +331,21 @@ def stage_train(args) -> None:
 
 
 @torch.no_grad()
-def speculate_block(target, draft, prompt: list[int], new: int, k: int):
-    """Greedy speculative decoding with the block draft, every pass over the whole sequence
-    (the reference algorithm, no caches): (generated tokens, accepted count per step)."""
+def block_proposer(target, draft, k: int):
+    """``propose(tokens so far)`` for ``measure_acceptance.speculate_with``: one block from the target's
+    states at the WINDOW positions before the anchor (the last token, not yet run through the target)."""
     from dspark_ray.model.dspark import BlockContext
 
-    seq, per_step = list(prompt), []
-    while len(seq) - len(prompt) < new:
-        p0 = len(seq) - 1  # the anchor: the last token, not yet run through the target
+    def propose(seq: list[int]) -> list[int]:
+        p0 = len(seq) - 1
         _, taps = teacher_pass(target, torch.tensor([seq[:p0]]))
         start = max(0, p0 - WINDOW)
         pos = torch.arange(start, p0)[None]
         ks, vs = draft.context_kv(taps[:, start:p0], pos)
-        ctx = BlockContext.of(ks, vs, pos)
-        d = draft.draft(torch.tensor([seq[-1]]), torch.tensor([p0]), ctx, num_query=k)
-        proposal = d.tokens[0].tolist()
-        logits, _ = teacher_pass(target, torch.tensor([seq + proposal]))
-        verify = logits[0, len(seq) - 1:].argmax(-1).tolist()  # k + 1
-        n = 0
-        while n < k and proposal[n] == verify[n]:
-            n += 1
-        per_step.append(n)
-        seq += proposal[:n] + [verify[n]]
-    return seq[len(prompt):len(prompt) + new], per_step
+        block = draft.draft(torch.tensor([seq[-1]]), torch.tensor([p0]), BlockContext.of(ks, vs, pos), num_query=k)
+        return block.tokens[0].tolist()
+
+    return propose
 
 
 def stage_measure(args) -> None:
@@ -365,7 +357,7 @@ def stage_measure(args) -> None:
     prompts = ma.held_out_prompts(TARGET_DIR / "tokenizer.json", 32, 32, 64, 0)
     steps: list[int] = []
     for p in prompts:
-        out, per_step = speculate_block(target, draft, p, 64, args.k)
+        out, per_step = ma.speculate_with(target, block_proposer(target, draft, args.k), p, 64, args.k)
         assert out == ma.plain_greedy(target, p, 64), "speculation changed the greedy output"
         steps += per_step
     k = args.k
