@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -170,8 +169,8 @@ class TrainBlocks:
         self.ctx_k, self.ctx_v = ctx_k, ctx_v
         b, n = anchors.shape
         j = torch.arange(BLOCK)
-        qpos = (anchors[:, :, None] + j).reshape(b, n * BLOCK)  # [B, Q]
-        p0 = anchors[:, :, None].expand(b, n, BLOCK).reshape(b, n * BLOCK)
+        qpos = block_positions(anchors)  # [B, Q]
+        p0 = anchors.repeat_interleave(BLOCK, dim=1)
         c = torch.arange(length)
         ctx = (c[None, None, :] < p0[:, :, None]) & (c[None, None, :] > qpos[:, :, None] - WINDOW)
         blk = torch.arange(n).repeat_interleave(BLOCK)
@@ -383,7 +382,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    random.seed(SEED)
     stages = {"data": stage_data, "pool": stage_pool, "train": stage_train, "measure": stage_measure}
     for name in (["data", "pool", "train", "measure"] if args.stage == "all" else [args.stage]):
         stages[name](args)
