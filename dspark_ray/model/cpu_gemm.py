@@ -17,13 +17,20 @@ linear). It is a copy: a weight changed after packing is not seen by the
 packed matmul (``pack_weights`` again). Results differ from MKL's in the last
 bits (about 1e-6 relative in float32), as two BLAS libraries do.
 
-NOTE: one row at a time (the draft's passes at batch 1) keeps torch's own
-matmul on the unpacked weight. There oneDNN's blocked kernel is no help and,
-on an AVX2-only CPU, slower: measured on such a box (AMD EPYC, 1 thread,
-best of 5), the shipped draft's five weight shapes cost 645 us packed against
-340-386 us through ``F.linear`` at one row, while from four rows up the
-packed kernel wins (946 against 1524 us at four, 1414 against 2029 at eight).
-On the AVX512-BF16 box the two were level at one row.
+NOTE: one row at a time (the draft's passes at batch 1) of a float32 weight
+keeps torch's own matmul on the unpacked weight. There oneDNN's blocked kernel
+is no help and, on an AVX2-only CPU, slower: measured on such a box (AMD EPYC,
+1 thread, best of 5), the shipped draft's five weight shapes cost 645 us packed
+against 340-386 us through ``F.linear`` at one row, while from four rows up
+the packed kernel wins (946 against 1524 us at four, 1414 against 2029 at
+eight). On the AVX512-BF16 box the two were level at one row in float32. A
+bfloat16 weight (packed only where the CPU multiplies bfloat16 natively:
+``available``) always takes the packed kernel: there torch's matmul at one
+row is the slower one (AVX512-BF16 EPYC, 1 thread, best of 3, the draft's
+q/k/v, o, gate/up, down and LM head shapes: 27/22/51/34/113 us unpacked
+against 18/16/40/29/73 packed), and the shipped pair's bfloat16 draft
+proposed 4 tokens at batch 1 in 10.6 ms instead of 14.0 (in process, 1
+thread, the median over 4 interleaved rounds of 64 greedy tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from torch import nn
 
 # oneDNN picks the packed layout for this many rows; it is correct for any number.
 BATCH_HINT = 32
-# Calls with at most this many rows use torch's matmul on the unpacked weight (module docstring).
+# Calls with at most this many rows of a float32 weight use torch's matmul on the unpacked weight
+# (module docstring); bfloat16 weights always run packed.
 UNPACKED_MAX_ROWS = 1
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -58,13 +66,14 @@ class PackedGemm:
         self.out_features = weight.shape[0]
         self.weight = weight.detach()  # the parameter itself (no copy), for single rows
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), BATCH_HINT)
+        self.unpacked_max_rows = UNPACKED_MAX_ROWS if weight.dtype == torch.float32 else 0
 
     def __call__(
         self,
         x: torch.Tensor,  # [..., in], the weight's dtype
         bias: torch.Tensor | None = None,  # [out]
     ) -> torch.Tensor:  # [..., out]
-        if x.numel() <= UNPACKED_MAX_ROWS * x.shape[-1]:
+        if x.numel() <= self.unpacked_max_rows * x.shape[-1]:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
