@@ -323,6 +323,7 @@ def test_a_dspark_draft_is_planned_as_it_loads():
     """The shipped DSpark block draft: its planned weights are the loaded draft's parameters plus the
     copy of the target's embedding its process holds, its cache the context ring (window + block per
     slot, not draft_window + k), and a deployment serving it validates (it was refused before)."""
+    from dspark_ray.engine.local import draft_runtime_dtype
     from dspark_ray.model.dspark import DSparkConfig, TargetHeads, load_dspark
     from dspark_ray.serve.config import AppConfig
     from dspark_ray.slots.context_ring import ContextRing
@@ -336,8 +337,10 @@ def test_a_dspark_draft_is_planned_as_it_loads():
     result = config.memory_plan()
     assert result.verdict == FITS
     attn = draft.layers[0].self_attn
+    # The ring holds the draft's runtime dtype: bfloat16 on a CPU with native bfloat16 (draft_dtype auto).
+    ring_dtype = getattr(torch, draft_runtime_dtype(config.engine_config()))
     ring = ContextRing(cfg.backbone.num_layers, 8, cfg.window, cfg.block_size, attn.k_proj.out_features // attn.head_dim,
-                       attn.head_dim, dtype=torch.float32)
+                       attn.head_dim, dtype=ring_dtype)
     assert result.draft_costs.buffers == sum(t.numel() * t.element_size() for t in (*ring.k, *ring.v))
 
 

@@ -233,7 +233,8 @@ class RayDraft:
             proposal, compute = channel.receive(max(0.0, limit - (time.perf_counter() - start)))
         except ChannelTimeout as exc:
             # A hung worker would hang every later call too: Ray restarts it (max_restarts=-1);
-            # meanwhile the steps run without drafts.
+            # meanwhile the steps run without drafts. (A draft held by target rank 0, draft_placement
+            # "target", goes with that rank: the target's next step fails and the target is rebuilt.)
             self._drop(channel)
             self.timeouts.add("draft")
             log.error("the draft worker did not answer within %.1f s; restarting it", limit)
@@ -253,6 +254,13 @@ class RayDraft:
         channel.close()
         if self._channel is channel:
             self._channel = None
+
+    def rebind(self, worker) -> None:
+        """Propose through ``worker`` from now on (a rebuilt target rank 0 that holds the draft)."""
+        if self._channel is not None:
+            self._drop(self._channel)
+        self.worker, self._opening = worker, None
+        self._connect(block=True)
 
     def _connect(self, block: bool) -> bool:
         """Open the channel; without ``block`` only if the worker already answered. True when open."""
@@ -350,7 +358,10 @@ class ReplicaServices:
         spin_s: float = 0.0,
         step_timeout_floor_s: float = 5.0,
         step_timeout_factor: float = 10.0,
+        draft_placement: str = "worker",
     ) -> None:
+        if draft_placement not in ("worker", "target"):
+            raise ValueError(f"draft_placement must be 'worker' or 'target', got {draft_placement!r}")
         slot_capacity = config.capacity if slot_capacity is None else slot_capacity
         if slot_capacity < config.capacity:
             raise ValueError(f"a replica holding {config.capacity} slots needs an application capacity of at "
@@ -378,18 +389,22 @@ class ReplicaServices:
         self.placement_group = placement_group(bundles, strategy=placement_strategy, name=f"dspark:{app_name}:{replica}")
         ray.get(self.placement_group.ready(), timeout=600)
         self.shards: list = []
+        speculates = bool(config.draft) and config.spec_tokens > 0
+        # The draft in target rank 0's process: that rank serves its proposals on a channel of its own.
+        self.draft_in_target = speculates and draft_placement == "target"
         self.target = self._start_target()
         self.draft_worker = self.draft = None
-        if config.draft and config.spec_tokens > 0:
-            self.draft_worker = ray.remote(DraftWorker).options(
-                **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
-                max_restarts=-1, max_task_retries=0,
-            ).remote(config, torch_threads, spin_s)
+        if speculates:
+            if not self.draft_in_target:
+                self.draft_worker = ray.remote(DraftWorker).options(
+                    **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
+                    max_restarts=-1, max_task_retries=0,
+                ).remote(config, torch_threads, spin_s)
             window = None
             if uses_dspark(config):
                 window = context_window(DSparkConfig.from_path(config.draft), config.max_context)
-            self.draft = RayDraft(self.draft_worker, call_timeout_s, self.timeline, self.draft_deadline,
-                                  self.timeouts, window)
+            self.draft = RayDraft(self.draft_worker or self.shards[0], call_timeout_s, self.timeline,
+                                  self.draft_deadline, self.timeouts, window)
         self.slot_manager = _slot_manager_with_capacity(slot_capacity, app_name)
         self.slots = ReplicaSlots(RaySlots(self.slot_manager, slot_timeout_s), rows=config.capacity,
                                   app_capacity=slot_capacity)
@@ -411,7 +426,8 @@ class ReplicaServices:
             for r in range(world)
         ]
         addr, port = ray.get(self.shards[0].address.remote())
-        capacities = ray.get([s.setup.remote(addr, port) for s in self.shards])
+        capacities = ray.get([s.setup.remote(addr, port, self.draft_in_target and r == 0)
+                              for r, s in enumerate(self.shards)])
         channels = [open_channel(s, f"target rank {r}", self.call_timeout_s) for r, s in enumerate(self.shards)]
         return RayTarget(min(capacities), channels, self.call_timeout_s, self.timeline, self.target_deadline,
                          self.timeouts)
@@ -423,6 +439,10 @@ class ReplicaServices:
             ray.kill(shard, no_restart=True)
         self._wait_until_gone(self.shards)
         self.target = self._start_target()
+        if self.draft_in_target and self.draft is not None:
+            # The new rank 0 holds a fresh proposer (an empty window cache: the engine's next proposals
+            # resend each request's tokens, as after a draft worker's restart).
+            self.draft.rebind(self.shards[0])
         return self.target
 
     @staticmethod
@@ -501,4 +521,5 @@ def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
         slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
         slot_capacity=config.capacity, spin_s=config.worker_spin_s,
         step_timeout_floor_s=config.step_timeout_floor_s, step_timeout_factor=config.step_timeout_factor,
+        draft_placement=config.draft_placement,
     )

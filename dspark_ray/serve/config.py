@@ -141,7 +141,14 @@ class AppConfig(BaseModel):
     )
     pipeline: bool = Field(
         True, description="Draft one half of the batch while the target verifies the other (engine/engine.py: "
-        "pipelined steps); false runs draft and verification of the whole batch one after the other.",
+        "pipelined steps); false runs draft and verification of the whole batch one after the other. Only "
+        "with draft_placement worker (a target rank that holds the draft runs one call at a time).",
+    )
+    draft_placement: Literal["worker", "target"] = Field(
+        "worker", description="Where the draft proposer runs: worker, an actor of its own (dspark:proposer:...) "
+        "beside target rank 0; target, inside target rank 0's actor (dspark:target:...:rank0), which then "
+        "drafts and verifies the whole batch in turn on its torch_threads, as the in-process engine does, and "
+        "a DSpark draft's context states never leave that process.",
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the target KV of equal prompt prefixes (blocks of 16 tokens: system prompts, "
@@ -328,7 +335,7 @@ class AppConfig(BaseModel):
             dtype=self.dtype,
             draft_dtype=self.draft_dtype,
             device=self.device,
-            pipeline=self.pipeline,
+            pipeline=self.pipeline and self.draft_placement == "worker",
             enable_prefix_caching=self.enable_prefix_caching,
             memory_utilization=self.memory_utilization,
         )

@@ -130,6 +130,7 @@ class TargetShard(_ChannelWorker):
         super().__init__(torch_threads, spin_s)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
+        self.proposer = None  # rank 0 with draft_placement "target"
         self.collectives = CollectiveTimer()
         self.metrics = ShardMetrics(Path(config.model).name, replica or "local", rank)
 
@@ -137,12 +138,14 @@ class TargetShard(_ChannelWorker):
         """The group's rendezvous address (called on rank 0)."""
         return rendezvous_address()
 
-    def setup(self, master_addr: str, master_port: int) -> int:
-        """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity."""
-        return self.torch.call(self._setup, master_addr, master_port)
+    def setup(self, master_addr: str, master_port: int, with_draft: bool = False) -> int:
+        """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity.
+        ``with_draft`` (rank 0 only): also hold the draft proposer, served as ``propose`` on a channel
+        of its own (``draft_placement: target``, ``dspark_ray.serve.actors``)."""
+        return self.torch.call(self._setup, master_addr, master_port, with_draft)
 
-    def _setup(self, master_addr: str, master_port: int) -> int:
-        from dspark_ray.engine.local import make_target_runner
+    def _setup(self, master_addr: str, master_port: int, with_draft: bool) -> int:
+        from dspark_ray.engine.local import make_draft_proposer, make_target_runner
         from dspark_ray.model.tp import TensorParallel
 
         cfg = self.config
@@ -150,8 +153,20 @@ class TargetShard(_ChannelWorker):
         if self.world_size > 1:
             join_group(cfg.device, master_addr, master_port, self.rank, self.world_size)
             tp = TensorParallel(self.rank, self.world_size, timer=self.collectives)
-        self.runner = make_target_runner(cfg, Tokenizer.from_path(cfg.model).vocab_size, tp)
+        vocab_size = Tokenizer.from_path(cfg.model).vocab_size
+        self.runner = make_target_runner(cfg, vocab_size, tp)
+        if with_draft:
+            if self.rank != 0:
+                raise ValueError("only target rank 0 holds the draft proposer")
+            # A DSpark draft shares the target's embedding and LM head: this rank's, when it holds them whole.
+            self.proposer = make_draft_proposer(cfg, vocab_size, self.runner.model if self.world_size == 1 else None)
         return self.runner.kv_capacity()
+
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        """The draft's proposal, when this rank holds the proposer (``setup(with_draft=True)``)."""
+        if self.proposer is None:
+            raise RuntimeError("this target shard holds no draft proposer")
+        return self.proposer.propose(rows)
 
     def step(self, batch: TargetStep) -> tuple[VerifyResult, float]:
         """Verify one step; returns the result and the seconds this rank spent in all-reduces."""

@@ -1,0 +1,112 @@
+"""``draft_placement: target``: the draft proposer inside target rank 0's actor, on a real Ray cluster.
+
+The replica's services are started as a Serve replica starts them
+(``start_replica_services``) and driven by the engine through the same
+facades. With the draft in rank 0's process there is no proposer actor, the
+proposals travel on a second channel to rank 0, and greedy output is token
+for token the in-process engine's. When the target is rebuilt (rank 0
+killed mid-generation), the new rank 0 holds a fresh proposer with an empty
+window cache: the requests resume, the first proposal finds the cache behind
+(that step runs without drafts, as after a draft worker's restart), the next
+ones catch up and draft again, and output is still unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import ray
+
+from dspark_ray.engine import Engine, EngineConfig, SamplingParams
+from dspark_ray.engine.local import build_local_engine
+from dspark_ray.serve.actors import start_replica_services
+from dspark_ray.serve.config import AppConfig
+from dspark_ray.tokenizer import Tokenizer
+from serve_fixtures import OBJECT_STORE_BYTES, serve_models  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.ray]
+
+PROMPTS = [
+    "ROMEO:\nBut soft, what light",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "To be",
+]
+MAX_TOKENS = 40
+
+
+def engine_config(models, **overrides) -> EngineConfig:
+    base = EngineConfig(model=str(models.target), draft=str(models.draft), num_speculative_tokens=4,
+                        adaptive_speculation=False, draft_window=32, capacity=8, max_context=128, max_num_seqs=8,
+                        pipeline=False)
+    return dataclasses.replace(base, **overrides)
+
+
+def add_all(engine: Engine) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return {engine.add_request(p, params, f"r{i}"): [] for i, p in enumerate(PROMPTS)}
+
+
+def run(engine: Engine, tokens: dict[str, list[int]], steps: int | None = None) -> None:
+    """Step until done (or ``steps`` times), appending each request's new tokens."""
+    n = 0
+    while engine.has_unfinished() and (steps is None or n < steps):
+        for out in engine.step():
+            tokens[out.req_id] += out.new_token_ids
+        n += 1
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    assert not ray.is_initialized(), "another test left Ray initialised in this process"
+    ray.init(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+             namespace="dspark-placement-tests", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_app_config_turns_the_pipeline_off_with_the_draft_in_the_target(serve_models):
+    args = dict(model=str(serve_models.target), draft=str(serve_models.draft), http_port=None)
+    assert AppConfig(**args).engine_config().pipeline
+    assert not AppConfig(**args, draft_placement="target").engine_config().pipeline
+    with pytest.raises(ValueError, match="draft_placement"):
+        AppConfig(**args, draft_placement="elsewhere")
+
+
+def test_draft_in_target_rank0_serves_the_same_tokens_and_survives_a_rebuild(cluster, serve_models):
+    config = engine_config(serve_models)
+    local = build_local_engine(config)
+    expected = add_all(local)
+    run(local, expected)
+
+    services = start_replica_services(config, app_name="placement", replica="p0", tensor_parallel_size=1,
+                                      placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1,
+                                      slot_timeout_s=30, draft_placement="target")
+    try:
+        assert services.draft_worker is None and services.draft.worker == services.shards[0]
+        ray.get_actor("dspark:target:p0:rank0")
+        with pytest.raises(ValueError):  # no proposer actor was started
+            ray.get_actor("dspark:proposer:p0")
+        engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target,
+                        services.draft, owner="p0")
+        tokens = add_all(engine)
+        run(engine, tokens, steps=4)  # every request drafted for and verified a few times
+        assert engine.has_unfinished()
+
+        ray.kill(services.shards[0], no_restart=True)  # the target, and the draft with it, are gone
+        while engine.target_error is None and engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.req_id] += out.new_token_ids
+        assert engine.target_error is not None
+        engine.reset_target(services.rebuild_target())
+        assert services.draft.worker == services.shards[0]
+        proposals = services.timeline.snapshot()["draft.compute"]["count"]
+        run(engine, tokens)
+        assert not engine.has_unfinished()
+        assert tokens == expected
+        # Drafting went on after the rebuild, on the new rank 0's fresh proposer: its first proposal found
+        # an empty window cache (DraftCacheBehind: that one step ran without drafts), the next caught up.
+        assert services.timeline.snapshot()["draft.compute"]["count"] > proposals + 1
+        assert engine.counters.draft_failures <= 1
+    finally:
+        services.shutdown()
