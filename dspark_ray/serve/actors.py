@@ -2,7 +2,8 @@
 
 Per replica: one ``TargetShard`` actor per tensor-parallel rank (a
 torch.distributed group among them: gloo on CPU, NCCL on CUDA) and one
-``DraftWorker``, their per-slot buffers sized for what this replica holds;
+``DraftWorker`` (or, with ``draft_placement="target"``, the draft proposer
+inside rank 0's actor), their per-slot buffers sized for what this replica holds;
 per application: the slot manager (``dspark_ray.slots``), whose slots every
 replica leases, each lease mapped to a row of the replica's buffers
 (``dspark_ray.slots.ReplicaSlots``).
