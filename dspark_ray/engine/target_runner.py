@@ -47,6 +47,7 @@ from dspark_ray.engine.outputs import TokenLogprob
 from dspark_ray.engine.verifier import mask_vocab, verify
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.slots import ReqToTokenTable
+from dspark_ray.slots.req_to_token import PADDING_TOKEN
 from dspark_ray.slots.prefix_cache import CachedTable, PrefixCache
 
 
@@ -202,12 +203,17 @@ class TargetRunner:
         vocab_limit: int | None = None,
         prefix_block: int | None = PREFIX_BLOCK,
         taps: tuple[int, ...] | None = None,
+        pad_batches: tuple[int, ...] | None = None,
     ) -> None:
         """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never emitted.
         ``prefix_block``: tokens per prefix-cache block; None turns prefix caching off.
         ``taps``: layers (ascending, -1 = the embedding output) whose output each step also returns
-        for the committed positions (a DSpark draft's ``target_layer_ids``); None: none, at no cost."""
+        for the committed positions (a DSpark draft's ``target_layer_ids``); None: none, at no cost.
+        ``pad_batches``: fixed batch sizes for decode and verify steps (NOTE at ``_padded_forward``);
+        None: every step at its own size."""
         self.model = model
+        self.pad_batches = tuple(sorted(pad_batches)) if pad_batches else ()
+        self.padded_steps = 0  # steps run at a padded size (tests, benchmarks)
         self.taps = taps
         self.max_spec_tokens = max_spec_tokens
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.config.vocab_size else None
@@ -347,6 +353,9 @@ class TargetRunner:
         The rows' tokens are packed into one sequence (``PackedAttention``); a
         row's k+1 logits positions past its own tokens (fewer drafts than k)
         repeat its last one and are never read."""
+        padded = self._padded_size(rows, counts)
+        if padded is not None:
+            return self._padded_forward(rows, counts, indices, padded)
         N = sum(counts)
         K1 = self.max_spec_tokens + 1
         dev = self.device
@@ -383,6 +392,82 @@ class TargetRunner:
         }
         tapped = None if taps is None else torch.cat([taps[i][0] for i in self.taps], dim=-1)
         return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits, tapped
+
+    def _padded_size(self, rows: list[VerifyRow], counts: list[int]) -> int | None:
+        """The padded batch size of this step, or None to run it at its own size: only decode and
+        verify steps are padded (every row one pending token and its drafts, no prompt scored), and
+        only up to the largest of ``pad_batches``."""
+        if not self.pad_batches or self.latent is not None or len(rows) > self.pad_batches[-1]:
+            return None
+        if any(len(r.token_ids) != 1 or r.chunk or r.prompt_logprobs is not None for r in rows):
+            return None
+        if max(counts) > self.max_spec_tokens + 1:
+            return None
+        return next(n for n in self.pad_batches if n >= len(rows))
+
+    def _padded_forward(self, rows: list[VerifyRow], counts: list[int], indices: torch.Tensor, size: int
+                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+        """``_forward`` for a decode or verify step at the fixed shape [size, k + 1].
+
+        NOTE: padded steps (issue 20). A CUDA graph replays fixed shapes, so a
+        decode or verify step runs at the smallest of ``pad_batches`` that
+        holds its rows, each row at k + 1 entries. Padding never touches a live
+        request: a padding row is slot 0, whose table row maps every position
+        to the padding token (index 0 of the KV pool, never handed out), so it
+        writes its K/V there and attends to that key alone; a row with fewer
+        than k drafts fills its entries past its own with copies of its last
+        position that also write to the padding token and whose outputs are
+        never read. Live rows never see the padding token: their masks stop at
+        their own lengths. So output and every live slot's KV are what the
+        unpadded step gives (``tests/test_target_padded.py`` runs both over a
+        random schedule). The shape is fixed but for the keys' length L, the
+        longest row's context (rounded up to ``key_bucket`` on CUDA); graphs
+        over the target's pass (keys at max_context) are the GPU half of this,
+        not built yet. The CPU runs the same padding without graphs."""
+        B, K1 = len(rows), self.max_spec_tokens + 1
+        dev = self.device
+        vocab = self.model.config.vocab_size
+        tokens = torch.zeros((size, K1), dtype=torch.int64)
+        positions = torch.zeros((size, K1), dtype=torch.int64)
+        write = torch.full((size, K1), PADDING_TOKEN, dtype=torch.int64)
+        lengths = torch.ones(size, dtype=torch.int64)  # a padding row sees key 0 alone
+        slots = torch.zeros(size, dtype=torch.int64)  # padding rows: slot 0, the padding row
+        offset = 0
+        for b, (r, n) in enumerate(zip(rows, counts)):
+            drafts = tuple(t if t < vocab else 0 for t in r.draft_token_ids)  # as in _forward
+            tokens[b, :n] = torch.tensor(r.token_ids + drafts)
+            tokens[b, n:] = tokens[b, n - 1]
+            positions[b] = r.start + torch.minimum(torch.arange(K1), torch.tensor(n - 1))
+            write[b, :n] = indices[offset:offset + n]
+            lengths[b] = r.start + n
+            slots[b] = r.slot
+            offset += n
+        L = int(lengths.max())
+        if self.key_bucket > 1:
+            L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
+        key_pos = torch.arange(L)[None, None, :]
+        mask = (key_pos <= positions[:, :, None]) & (key_pos < lengths[:, None, None])  # [size, K1, L]
+        if self.sliding_window is not None:
+            mask &= key_pos > positions[:, :, None] - self.sliding_window
+        group = AttentionGroup(torch.arange(size * K1).view(size, K1).to(dev),
+                               torch.ones((size, K1), dtype=torch.bool, device=dev),
+                               self.table.table[slots.to(dev), :L].long(), mask[:, None].to(dev), whole=True)
+        attention = PackedAttention(self.k_pools, self.v_pools, write.view(-1).to(dev), [group], self.sliding_window)
+        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
+        taps = None if self.taps is None else dict.fromkeys(self.taps)
+        with backends:
+            hidden = self.model.hidden_states(tokens.view(1, -1).to(dev), positions.view(1, -1).to(dev), attention,
+                                              taps=taps)[0]  # [size * K1, H]
+        # Row b's logits at its pending token and after each draft; entries past its own repeat its last.
+        base = torch.arange(B)[:, None] * K1
+        picked = hidden[(base + torch.minimum(torch.arange(K1)[None, :],
+                                              torch.tensor(counts)[:, None] - 1)).to(dev)]  # [B, K1, H]
+        self.padded_steps += 1
+        tapped = None
+        if taps is not None:  # the live entries, packed in row order as _forward gives them
+            live = torch.cat([torch.arange(b * K1, b * K1 + n) for b, n in enumerate(counts)]).to(dev)
+            tapped = torch.cat([taps[i][0][live] for i in self.taps], dim=-1)
+        return mask_vocab(self.model.logits(picked), self.vocab_limit), {}, tapped
 
     def _group(self, rows: list[VerifyRow], counts: list[int], offsets: list[int],
                members: list[int]) -> AttentionGroup:
