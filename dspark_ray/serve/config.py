@@ -148,7 +148,8 @@ class AppConfig(BaseModel):
         "worker", description="Where the draft proposer runs: worker, an actor of its own (dspark:proposer:...) "
         "beside target rank 0; target, inside target rank 0's actor (dspark:target:...:rank0), which then "
         "drafts and verifies the whole batch in turn on its torch_threads, as the in-process engine does (README, "
-        "Performance: on the 2-core box no consistent difference from worker).",
+        "Performance: on the 2-core box with torch_threads 2, 1.11x of worker at 8 concurrent requests, 0.86x at "
+        "32).",
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the target KV of equal prompt prefixes (blocks of 16 tokens: system prompts, "
