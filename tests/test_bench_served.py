@@ -566,3 +566,26 @@ def test_vllm_benchmark_client_against_serve_run(served: ServeRun, serve_models:
     # The client reads speculation from GET /metrics under vLLM's names: acceptance length in [1, k + 1].
     assert row.acceptance_length is not None and 1.0 <= row.acceptance_length <= 5.0, data.keys()
 
+
+
+def test_served_ab_puts_both_configurations_in_one_serve_config(tmp_path):
+    """bench/served_ab.py: A's and B's first applications in one config, on two ports, B renamed
+    under /b with its own args kept; a YAML whose replica serves no HTTP of its own is refused."""
+    import yaml
+
+    import served_ab
+
+    variant = yaml.safe_load((REPO / "deploy" / "dspark.yaml").read_text())
+    variant["applications"][0]["args"].update(draft_placement="target", torch_threads=2)
+    b_path = tmp_path / "b.yaml"
+    b_path.write_text(yaml.safe_dump(variant))
+    combined = yaml.safe_load(served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path).read_text())
+    a, b = combined["applications"]
+    assert (a["name"], a["route_prefix"], a["args"]["http_port"]) == ("dspark", "/", 8200)
+    assert (b["name"], b["route_prefix"], b["args"]["http_port"]) == ("dspark-b", "/b", 8201)
+    assert b["args"]["draft_placement"] == "target" and "draft_placement" not in a["args"]
+    assert combined["proxy_location"] == "Disabled"
+    variant["applications"][0]["args"]["http_port"] = None
+    b_path.write_text(yaml.safe_dump(variant))
+    with pytest.raises(bench.SystemUnavailable, match="http_port"):
+        served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path)
