@@ -78,8 +78,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cli = vllm_cli()
     workload = Workload()
-    model = app_of(args.yaml_a)["name"]
-    tokenizer = Path(app_of(args.yaml_a)["model"])
+    app = app_of(args.yaml_a)
+    model, tokenizer = app["name"], Path(app["model"])
     urls = {"A": f"http://{HOST}:{args.port}", "B": f"http://{HOST}:{args.port + 1}"}
 
     def run(system: str, concurrency: int, tag: str) -> float:

@@ -366,21 +366,14 @@ class TargetRunner:
         tokens = torch.empty(N, dtype=torch.int64)
         positions = torch.empty(N, dtype=torch.int64)
         for b, (r, n) in enumerate(zip(rows, counts)):
-            # A draft whose vocabulary is wider than the target's (padded embeddings) can propose
-            # ids the target does not have: verification rejects them, so feed a valid id instead.
-            drafts = tuple(t if t < vocab else 0 for t in r.draft_token_ids)
-            tokens[offsets[b]:offsets[b + 1]] = torch.tensor(r.token_ids + drafts)
+            tokens[offsets[b]:offsets[b + 1]] = torch.tensor(self._fed(r, vocab))
             positions[offsets[b]:offsets[b + 1]] = torch.arange(r.start, r.start + n)
         groups = [self._group(rows, counts, offsets, members) for members in group_rows(counts)]
         if self.latent is not None:
             attention = self.latent.attention(indices.to(dev), groups)
         else:
             attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups, self.sliding_window)
-        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
-        taps = None if self.taps is None else dict.fromkeys(self.taps)
-        with backends:
-            hidden = self.model.hidden_states(tokens[None].to(dev), positions[None].to(dev), attention,
-                                              taps=taps)[0]  # [N, H]
+        hidden, taps = self._hidden(tokens, positions, attention)  # [N, H]
         # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
         first = torch.tensor([offsets[b] + len(r.token_ids) - 1 for b, r in enumerate(rows)])
         last = torch.tensor(offsets[1:]) - 1
@@ -392,6 +385,41 @@ class TargetRunner:
         }
         tapped = None if taps is None else torch.cat([taps[i][0] for i in self.taps], dim=-1)
         return mask_vocab(self.model.logits(picked), self.vocab_limit), prompt_logits, tapped
+
+    @staticmethod
+    def _fed(row: VerifyRow, vocab: int) -> tuple[int, ...]:
+        """The ids a row feeds: its pending tokens and its drafts. A draft whose vocabulary is wider
+        than the target's (padded embeddings) can propose ids the target does not have: verification
+        rejects them, so a valid id is fed instead."""
+        return (*row.token_ids, *(t if t < vocab else 0 for t in row.draft_token_ids))
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attention
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
+        """The packed step ([N] ids and positions, on the host) through the model: [N, H] hidden
+        states, and with ``taps`` each tapped layer's [1, N, H] output."""
+        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
+        taps = None if self.taps is None else dict.fromkeys(self.taps)
+        with backends:
+            hidden = self.model.hidden_states(tokens[None].to(self.device), positions[None].to(self.device),
+                                              attention, taps=taps)[0]
+        return hidden, taps
+
+    def _keys(self, positions: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key indices [G, L] (pool index of each key position, through the table) and mask
+        [G, 1, T, L] of queries at ``positions`` [G, T] over rows of ``lengths`` [G] keys in ``slots``
+        [G]: a query at p sees keys k <= p of its own row (and p - window < k with a sliding window)."""
+        L = int(lengths.max())
+        if self.key_bucket > 1:
+            # Keys padded to a bucket (masked off): shape-keyed GPU attention plans are reused
+            # instead of rebuilt at every new context length.
+            L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
+        key_pos = torch.arange(L)[None, None, :]
+        mask = (key_pos <= positions[:, :, None]) & (key_pos < lengths[:, None, None])
+        if self.sliding_window is not None:  # Mistral-style: a query at p sees keys p - window < k <= p
+            mask &= key_pos > positions[:, :, None] - self.sliding_window
+        dev = self.device
+        return self.table.table[slots.to(dev), :L].long(), mask[:, None].to(dev)
 
     def _padded_size(self, rows: list[VerifyRow], counts: list[int]) -> int | None:
         """The padded batch size of this step, or None to run it at its own size: only decode and
@@ -434,30 +462,18 @@ class TargetRunner:
         slots = torch.zeros(size, dtype=torch.int64)  # padding rows: slot 0, the padding row
         offset = 0
         for b, (r, n) in enumerate(zip(rows, counts)):
-            drafts = tuple(t if t < vocab else 0 for t in r.draft_token_ids)  # as in _forward
-            tokens[b, :n] = torch.tensor(r.token_ids + drafts)
+            tokens[b, :n] = torch.tensor(self._fed(r, vocab))
             tokens[b, n:] = tokens[b, n - 1]
             positions[b] = r.start + torch.minimum(torch.arange(K1), torch.tensor(n - 1))
             write[b, :n] = indices[offset:offset + n]
             lengths[b] = r.start + n
             slots[b] = r.slot
             offset += n
-        L = int(lengths.max())
-        if self.key_bucket > 1:
-            L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
-        key_pos = torch.arange(L)[None, None, :]
-        mask = (key_pos <= positions[:, :, None]) & (key_pos < lengths[:, None, None])  # [size, K1, L]
-        if self.sliding_window is not None:
-            mask &= key_pos > positions[:, :, None] - self.sliding_window
+        key_index, mask = self._keys(positions, lengths, slots)
         group = AttentionGroup(torch.arange(size * K1).view(size, K1).to(dev),
-                               torch.ones((size, K1), dtype=torch.bool, device=dev),
-                               self.table.table[slots.to(dev), :L].long(), mask[:, None].to(dev), whole=True)
+                               torch.ones((size, K1), dtype=torch.bool, device=dev), key_index, mask, whole=True)
         attention = PackedAttention(self.k_pools, self.v_pools, write.view(-1).to(dev), [group], self.sliding_window)
-        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
-        taps = None if self.taps is None else dict.fromkeys(self.taps)
-        with backends:
-            hidden = self.model.hidden_states(tokens.view(1, -1).to(dev), positions.view(1, -1).to(dev), attention,
-                                              taps=taps)[0]  # [size * K1, H]
+        hidden, taps = self._hidden(tokens.view(-1), positions.view(-1), attention)  # [size * K1, H]
         # Row b's logits at its pending token and after each draft; entries past its own repeat its last.
         base = torch.arange(B)[:, None] * K1
         picked = hidden[(base + torch.minimum(torch.arange(K1)[None, :],
@@ -474,26 +490,16 @@ class TargetRunner:
         """The attention inputs of some rows: queries padded to the longest, keys to the longest context."""
         T = max(counts[b] for b in members)
         lengths = torch.tensor([rows[b].start + counts[b] for b in members])  # [G] keys per row
-        L = int(lengths.max())
-        if self.key_bucket > 1:
-            # Keys padded to a bucket (masked off): shape-keyed GPU attention plans are reused
-            # instead of rebuilt at every new context length.
-            L = min(-(-L // self.key_bucket) * self.key_bucket, self.table.max_context)
         steps = torch.arange(T)[None, :]  # [1, T]
         n = torch.tensor([counts[b] for b in members])[:, None]  # [G, 1]
         valid = steps < n  # [G, T]
         queries = torch.where(valid, torch.tensor([offsets[b] for b in members])[:, None] + steps, 0)
         starts = torch.tensor([rows[b].start for b in members])[:, None]
         positions = starts + torch.minimum(steps, n - 1)  # padding queries repeat the last position
-        key_pos = torch.arange(L)[None, None, :]
-        mask = (key_pos <= positions[:, :, None]) & (key_pos < lengths[:, None, None])
-        if self.sliding_window is not None:  # Mistral-style: a query at p sees keys p - window < k <= p
-            mask &= key_pos > positions[:, :, None] - self.sliding_window
-        slots = torch.tensor([rows[b].slot for b in members])
+        key_index, mask = self._keys(positions, lengths, torch.tensor([rows[b].slot for b in members]))
         dev = self.device
         whole = len(members) == len(rows) and members == sorted(members) and bool(valid.all())
-        return AttentionGroup(queries.to(dev), valid.to(dev), self.table.table[slots.to(dev), :L].long(),
-                              mask[:, None].to(dev), whole)
+        return AttentionGroup(queries.to(dev), valid.to(dev), key_index, mask, whole)
 
     def _verify(self, rows: list[VerifyRow], logits: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
