@@ -16,7 +16,9 @@ The systems:
   ``http_host``/``http_port`` args where it sets them, else ``http_options``)
   when another port is asked for (the host is always 127.0.0.1).
 - ``vllm``: ``vllm serve`` from bench/.vllm-venv on the same pair, draft-model
-  speculation with the same k, float32, eager.
+  speculation with the same k, eager, in the dtype dspark's target runs in
+  (the YAML's ``dtype`` as dspark_ray resolves it: ``auto`` is float32 on CPU;
+  vLLM runs its draft in the target's dtype, dspark_ray in ``draft_dtype``).
 - ``inprocess``: the dspark_ray engine in this process, built from the YAML's
   own args, on the same shape of workload (b requests at once, rounds of b).
 
@@ -579,7 +581,7 @@ def vllm_server_env(threads: int) -> dict[str, str]:
 def vllm_server_command(cli: list[str], app: dict, model_name: str, port: int) -> list[str]:
     spec = {"method": "draft_model", "model": app["draft"], "num_speculative_tokens": app["k"]}
     return [*cli, "serve", app["model"], "--served-model-name", model_name,
-            "--speculative-config", json.dumps(spec), "--dtype", "float32", "--enforce-eager",
+            "--speculative-config", json.dumps(spec), "--dtype", app["dtype"], "--enforce-eager",
             "--seed", "0", "--host", HOST, "--port", str(port)]
 
 
@@ -596,10 +598,14 @@ def app_of(yaml_path: Path) -> dict:
     """The YAML's first application's args, checked and resolved (absolute checkpoint paths)."""
     from dspark_ray.serve.config import AppConfig
 
+    from dspark_ray.engine.local import draft_runtime_dtype, runtime_dtype
+
     cfg = AppConfig(**load_yaml(yaml_path)["applications"][0].get("args", {}))
     draft = str(Path(cfg.draft).resolve()) if cfg.draft else None
+    engine = cfg.engine_config()
     return {"config": cfg, "model": str(Path(cfg.model).resolve()), "draft": draft,
-            "k": cfg.num_speculative_tokens, "name": cfg.model_name}
+            "k": cfg.num_speculative_tokens, "name": cfg.model_name,
+            "dtype": runtime_dtype(cfg.dtype, cfg.device), "draft_dtype": draft_runtime_dtype(engine) if draft else None}
 
 
 def serve_yaml(yaml_path: Path, port: int, folder: Path) -> Path:
@@ -1076,7 +1082,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     signal.signal(signal.SIGTERM, raise_interrupt)  # so every `with` and `finally` stops what it started
     args.raw = OUT_DIR / args.name  # vLLM's result files and every log
     args.raw.mkdir(parents=True, exist_ok=True)
-    report = Report(machine=f"{machine()}, {os.cpu_count()} CPUs", workload=asdict(args.workload), name=args.name)
+    app = app_of(args.yaml)
+    dtypes = f"dspark_ray's target in {app['dtype']}" + (f", its draft in {app['draft_dtype']}" if app["draft"] else "")
+    if "vllm" in args.systems:
+        dtypes += f", vLLM in {app['dtype']} (its draft too)"
+    report = Report(machine=f"{machine()}, {os.cpu_count()} CPUs; {dtypes}", workload=asdict(args.workload),
+                    name=args.name)
     report.order = order_text(args.systems, args.sequential)
     args.cli = None
     try:

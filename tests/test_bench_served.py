@@ -469,14 +469,26 @@ def test_client_command_and_how_it_is_shown(tmp_path):
 
 
 def test_vllm_server_command():
-    app = {"model": "/m/target", "draft": "/m/draft", "k": 4, "name": "shakespeare-target"}
+    app = {"model": "/m/target", "draft": "/m/draft", "k": 4, "name": "shakespeare-target", "dtype": "bfloat16"}
     cmd = bench.vllm_server_command(["vllm"], app, "shakespeare-target", 9000)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 4}
     assert cmd[:3] == ["vllm", "serve", "/m/target"] and "--enforce-eager" in cmd
-    assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    env = bench.vllm_server_env(2)
-    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_vllm_runs_in_the_dtype_dspark_resolves(tmp_path):
+    """vLLM gets the dtype dspark's target runs in: the YAML's dtype as dspark_ray resolves it."""
+    import yaml
+
+    assert bench.app_of(REPO / "deploy" / "dspark.yaml")["dtype"] == "float32"  # auto on CPU
+    raw = yaml.safe_load((REPO / "deploy" / "dspark.yaml").read_text())
+    raw["applications"][0]["args"]["dtype"] = "bfloat16"
+    (tmp_path / "bf16.yaml").write_text(yaml.safe_dump(raw))
+    app = bench.app_of(tmp_path / "bf16.yaml")
+    assert app["dtype"] == "bfloat16"
+    cmd = bench.vllm_server_command(["vllm"], app, app["name"], 9000)
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
 def test_serve_yaml_changes_only_the_http_address(tmp_path):
