@@ -245,7 +245,7 @@ def _tp_rank(rank: int, folders: list[str], kept_folder: str, out: str) -> None:
     kept = sorted(n for n, m in model.named_modules() if isinstance(m, Linear) and m.weight.dtype == FP8)
     with torch.no_grad():
         logits = model(random_ids(model.config.vocab_size))
-    torch.save({"kept": kept, "logits": logits}, f"{out}/kept-rank{rank}.pt")
+    torch.save({"kept": kept, "state": model.state_dict(), "logits": logits}, f"{out}/kept-rank{rank}.pt")
 
 
 def test_tensor_parallel_2_slices_match_the_whole(checkpoints, tmp_path, monkeypatch):
@@ -254,8 +254,9 @@ def test_tensor_parallel_2_slices_match_the_whole(checkpoints, tmp_path, monkeyp
     with 128 x 128 blocks inside the one partial block of every weight. The two slices side by side
     are the TP-1 weights exactly, and the logits agree. Loaded as on CUDA, with every slice whole
     128 x 128 blocks, each rank keeps all its projections in FP8, quantises its activations in the
-    same 1 x 128 groups as TP 1 does (a row-parallel slice starts on a group boundary), and the
-    logits agree with the TP-1 load as on CUDA."""
+    same 1 x 128 groups as TP 1 does (a row-parallel slice starts on a group boundary): on one input
+    each projection's slices compute TP 1's product, and the logits agree with the TP-1 load as on
+    CUDA within FP8's error."""
     llama = checkpoints["LlamaForCausalLM"]
     cases = [(llama["cut"][0], CUT_BLOCKS), (llama["128"][0], (128, 128))]
     save_tiny_checkpoint(tmp_path / "orig", hidden_size=256, intermediate_size=256, num_attention_heads=4,
@@ -283,13 +284,33 @@ def test_tensor_parallel_2_slices_match_the_whole(checkpoints, tmp_path, monkeyp
             torch.testing.assert_close(r["logits"], expected, rtol=0, atol=1e-4)
     ranks = [torch.load(tmp_path / f"kept-rank{r}.pt") for r in range(2)]
     whole = load_as_on_cuda(tmp_path / "kept", monkeypatch, dtype="float32")
+    dequantised = load(tmp_path / "kept", dtype="float32")
+    projections = [f"model.layers.{i}.{proj}" for i in range(2) for proj in
+                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    state = whole.state_dict()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))  # [M, K]
+    for name in projections:
+        # On the same input, each rank's FP8 matmul is its share of TP 1's: the same 1 x 128 activation
+        # groups, the same weight blocks and scales; only float32's summation order may differ.
+        full = fp8_linear_reference(x, state[f"{name}.weight"], state[f"{name}.weight_scale_inv"])
+        w, s = ([r["state"][f"{name}.{t}"] for r in ranks] for t in ("weight", "weight_scale_inv"))
+        if name.endswith(("o_proj", "down_proj")):  # row parallel: each rank holds 128 input columns
+            parts = sum(fp8_linear_reference(x[:, 128 * r:128 * (r + 1)], w[r], s[r]) for r in range(2))
+        else:
+            parts = torch.cat([fp8_linear_reference(x, w[r], s[r]) for r in range(2)], -1)
+        torch.testing.assert_close(parts, full, rtol=1e-5, atol=1e-5, msg=name)
+    ids = random_ids(whole.config.vocab_size)
     with torch.no_grad():
-        expected = whole(random_ids(whole.config.vocab_size))
+        expected, deq = whole(ids), dequantised(ids)
+    # Through the model, TP's different summation order can move an activation across an FP8 rounding
+    # boundary (one step is 1/8 of the value), and the flip propagates: the ranks' logits agree with
+    # TP 1's well within the error quantising the activations makes, not bit for bit (measured on an
+    # AVX-512/AMX Xeon: 0.15 of it; bit for bit where BLAS happened to sum in the same order).
+    fp8_error = relative_error(expected, deq)
     for r in ranks:
-        assert r["kept"] == sorted(f"model.layers.{i}.{proj}" for i in range(2) for proj in
-                                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-        torch.testing.assert_close(r["logits"], expected, rtol=0, atol=1e-4)
+        assert r["kept"] == sorted(projections)
+        assert relative_error(r["logits"], expected) < 0.5 * fp8_error, (relative_error(r["logits"], expected), fp8_error)
 
 
 # -- refused configs and checkpoints ---------------------------------------------------------------

@@ -140,27 +140,26 @@ def test_metrics_count_speculation_under_vllm_names(server, serve_models):
     body = {"model": serve_models.name, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     specs = [call(server, "POST", "/v1/completions", {**body, "prompt": p}).json()["speculation"]
              for p in (PROMPT, "To be, or not")]
-    r = wait_for_metrics(server, before, sum(s["drafts"] for s in specs))
+    expected = {name: sum(s[name] for s in specs) for name in ("drafts", "draft_tokens", "accepted_tokens")}
+    expected = {f"num_{name}": n for name, n in expected.items()}
+    expected |= {f"per_pos:{pos}": sum(s["accepted_per_position"][pos] for s in specs
+                                       if pos < len(s["accepted_per_position"])) for pos in range(4)}
+    assert expected["num_drafts"] > 0
+    r = wait_for_metrics(server, before, expected)
     assert r.headers["content-type"].startswith("text/plain")
     after = spec_counters(r.text)
-    assert after["num_drafts"] - before.get("num_drafts", 0) == sum(s["drafts"] for s in specs) > 0
-    assert after["num_draft_tokens"] - before.get("num_draft_tokens", 0) == sum(s["draft_tokens"] for s in specs)
-    assert (after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
-            == sum(s["accepted_tokens"] for s in specs))
-    for pos in range(4):
-        key = f"per_pos:{pos}"
-        assert after.get(key, 0) - before.get(key, 0) == sum(
-            s["accepted_per_position"][pos] for s in specs if pos < len(s["accepted_per_position"]))
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in expected} == expected
 
 
-def wait_for_metrics(server: DSparkServer, before: dict, drafts: int, timeout_s: float = 10) -> httpx.Response:
-    """The counters are recorded off the engine thread: poll until the new drafts show."""
+def wait_for_metrics(server: DSparkServer, before: dict, expected: dict, timeout_s: float = 10) -> httpx.Response:
+    """The engine thread adds a step's counters just after it delivers the step's tokens: poll until
+    every counter in ``expected`` has grown by at least that much (or ``timeout_s``), then the caller
+    checks they grew by exactly that much."""
     deadline = time.monotonic() + timeout_s
     while True:
         r = call(server, "GET", "/metrics")
-        if spec_counters(r.text).get("num_drafts", 0) - before.get("num_drafts", 0) >= drafts:
-            return r
-        if time.monotonic() > deadline:
+        now = spec_counters(r.text)
+        if all(now.get(k, 0) - before.get(k, 0) >= n for k, n in expected.items()) or time.monotonic() > deadline:
             return r
         time.sleep(0.05)
 

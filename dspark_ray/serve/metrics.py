@@ -271,8 +271,17 @@ class ServingMetrics:
         self._guard("submit", self.observer.submitted, req_id, at)
 
     def after_step(self, outputs: list, waiting: int) -> None:
-        """Observe one loop pass (engine thread); it is recorded by the recorder thread."""
-        self._guard("step", lambda: self._reports.put(self.observer.observe(outputs, waiting)))
+        """Observe one loop pass (engine thread); it is recorded by the recorder thread.
+
+        The speculation totals ``GET /metrics`` serves are added here, on the engine thread (a few
+        integer adds), so that they count a request's last step by the time the engine thread looks
+        at its next one, however far behind Ray's recorder thread runs."""
+        self._guard("step", self._observe, outputs, waiting)
+
+    def _observe(self, outputs: list, waiting: int) -> None:
+        report = self.observer.observe(outputs, waiting)
+        self._add_spec_totals(report.spec)
+        self._reports.put(report)
 
     def close(self) -> None:
         """Record what is queued, then stop the recorder thread."""
@@ -315,7 +324,6 @@ class ServingMetrics:
         for pos, n in enumerate(r.spec.accepted_per_position):
             if n > 0:
                 self.accepted_per_pos.inc(n, tags={"position": str(pos)})
-        self._add_spec_totals(r.spec)
 
     def _add_spec_totals(self, d: SpecDelta) -> None:
         with self._spec_lock:
