@@ -34,6 +34,9 @@ class EngineConfig:
     # Overlap one half of the batch's draft with the other half's verification when the
     # draft and the target run in other processes (Engine docstring); no effect in process.
     pipeline: bool = True
+    # The draft drafts a one-row greedy proposal's successor while the target verifies it, in the
+    # draft's idle time (engine/draft_proposer.py); only a draft in its own process has that time.
+    draft_ahead: bool = False
     # Automatic prefix caching in the target's KV pool (dspark_ray/slots/prefix_cache.py).
     enable_prefix_caching: bool = True
     # CUDA: the share of each GPU's memory this replica may use (weights, KV pool, workspace).

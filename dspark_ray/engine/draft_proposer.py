@@ -22,9 +22,33 @@ need: with ``cuda_graphs`` each size's pass is captured once over static
 buffers and replayed (``CUDA_GRAPHS`` below keeps that off until a GPU run
 has checked it, as ``target_runner.PAGED_KERNEL`` does for the paged kernel).
 The catch-up pass (a varying number of tokens per row) stays eager.
+
+NOTE: drafting ahead (``ahead``; the served draft worker, ``draft_ahead``).
+With one request in flight the served engine drafts it in one step and
+verifies it in the next, so the draft worker idles while the target
+verifies. ``draft_ahead`` fills that idle time: after a one-row greedy
+proposal d1..dk it assumes every draft is accepted, feeds dk, takes its own
+argmax b as a guess of the target's bonus token, feeds b and drafts the next
+k tokens, and keeps them for the slot. The next proposal for that slot is
+answered from them, with no model pass, exactly when it asks for what was
+guessed: same epoch, start at dk's position, tokens (dk, b). Otherwise it
+runs as always and the kept drafts are dropped. The worker stops drafting
+ahead after the pass in which a call arrives (a call never waits for more
+than one pass) and keeps what it has; a proposal that uses a cut-short
+block drafts the rest itself. The
+cache is then what the ordinary path would have left (the same tokens at the
+same positions; computed one token per pass rather than in one catch-up
+pass, so K/V can differ in the last bits), and drafts are only proposals:
+the target verifies them, so output is unchanged. Greedy rows only: a
+sampled row's drafts must not depend on timing. Drafting ahead writes up to
+2k provisional positions past the committed length, so the ring has 2k
+slack instead of k (rollback stays a length change; see DraftWindowCache).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +69,17 @@ CUDA_GRAPHS = False
 
 class DraftCacheBehind(RuntimeError):
     """A row starts past what the slot's draft cache holds (e.g. after a proposer restart)."""
+
+
+@dataclass
+class AheadCounts:
+    """What drafting ahead did (module docstring): proposals drafted ahead, and how many of them the
+    next proposal used or dropped."""
+
+    drafted: int = 0
+    used: int = 0
+    dropped: int = 0
+    cut_short: int = 0  # of ``drafted``: a call came before all k drafts were (the rest drafted then)
 
 
 class RingAttention:
@@ -91,13 +126,15 @@ class RecordingAttention(CausalAttention):
 class DraftProposer:
     def __init__(self, model: CausalLM, capacity: int, window: int, max_spec_tokens: int,
                  vocab_limit: int | None = None, grammars: SlotGrammars | None = None,
-                 pad_batches: tuple[int, ...] | None = None, cuda_graphs: bool | None = None) -> None:
+                 pad_batches: tuple[int, ...] | None = None, cuda_graphs: bool | None = None,
+                 ahead: bool = False) -> None:
         """``vocab_limit``: ids at or above it (embedding padding the tokenizer lacks) are never proposed.
         ``grammars``: matchers per slot for structured-output rows (without them their drafts are
         unconstrained, and the engine cuts each draft at its first forbidden token).
         ``pad_batches``: the drafting passes' fixed batch sizes (module docstring); None: unpadded,
         or ``PAD_BATCHES`` when graphs are on. ``cuda_graphs``: capture them (CUDA only); None:
-        ``CUDA_GRAPHS`` on a CUDA model."""
+        ``CUDA_GRAPHS`` on a CUDA model. ``ahead``: ``draft_ahead`` may be called between proposals
+        (module docstring); the ring then has 2k positions of slack."""
         self.model = model
         self.grammars = grammars
         cfg = model.config
@@ -107,7 +144,12 @@ class DraftProposer:
         refuse_as_draft(cfg)
         kv_heads = model.model.layers[0].self_attn.k_proj.out_features // cfg.head_dim
         self.max_spec_tokens = max_spec_tokens
-        self.cache = DraftWindowCache(cfg.num_layers, capacity, window, max_spec_tokens, kv_heads,
+        self.ahead = ahead
+        self.ahead_counts = AheadCounts()
+        self._last: tuple[ProposeRow, list[int]] | None = None  # the last one-row greedy proposal
+        self._kept: dict[int, tuple[ProposeRow, list[int]]] = {}  # slot -> (the row guessed, its drafts)
+        slack = 2 * max_spec_tokens if ahead else max_spec_tokens
+        self.cache = DraftWindowCache(cfg.num_layers, capacity, window, slack, kv_heads,
                                       cfg.head_dim, dtype=param.dtype, device=self.device)
         # A catch-up of this many tokens can go through the ring without overwriting
         # history that its own first query still needs.
@@ -124,11 +166,85 @@ class DraftProposer:
     def propose(self, rows: list[ProposeRow]) -> Proposal:
         if not rows:
             return Proposal([], None)
+        self._last = None
+        if self._kept:
+            kept = self._use_kept(rows)
+            if kept is not None:
+                return kept
         slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
         self.cache.bind(slots, torch.tensor([r.epoch for r in rows], device=self.device))
         self._rollback(rows, slots)
         logits = self._catch_up(rows, slots)  # [B, V] next-token logits
-        return self._draft(rows, slots, logits)
+        proposal = self._draft(rows, slots, logits)
+        if self.ahead and len(rows) == 1 and self._aheadable(rows[0]):
+            self._last = (rows[0], proposal.draft_token_ids[0])
+        return proposal
+
+    # -- drafting ahead (module docstring) ---------------------------------------------
+
+    @staticmethod
+    def _aheadable(row: ProposeRow) -> bool:
+        return row.num_draft > 0 and row.grammar is None and row.sampling.greedy and not needs_rules([row.sampling])
+
+    def _use_kept(self, rows: list[ProposeRow]) -> Proposal | None:
+        """The drafts kept for a one-row proposal that asks for what was guessed (and, if drafting
+        ahead was cut short, the rest drafted now); every slot in ``rows`` loses what was kept for it."""
+        kept = [self._kept.pop(r.slot) for r in rows if r.slot in self._kept]
+        if not kept:
+            return None
+        row = rows[0]
+        guess, drafts = kept[0]
+        if not (len(rows) == 1 and self._aheadable(row)
+                and (row.epoch, row.start, tuple(row.token_ids)) == (guess.epoch, guess.start, guess.token_ids)
+                and int(self.cache.epoch[row.slot]) == row.epoch):
+            self.ahead_counts.dropped += len(kept)
+            return None
+        self.ahead_counts.used += 1
+        out = drafts[:row.num_draft]
+        if len(out) < row.num_draft:  # cut short: go on from the last draft kept, as the ordinary path would
+            slot = torch.tensor([row.slot], dtype=torch.int64, device=self.device)
+            last = guess.start + len(guess.token_ids) + len(out) - 1  # the position of out[-1], not fed yet
+            self.cache.set_length(slot, torch.tensor([last], device=self.device))
+            logits = self._ring_forward_one(torch.tensor([out[-1]], device=self.device),
+                                            torch.ones(1, dtype=torch.bool, device=self.device),
+                                            torch.tensor([last], device=self.device), slot)
+            rest = ProposeRow(row.slot, row.epoch, last, (out[-1],), row.num_draft - len(out), row.sampling)
+            out = out + self._draft([rest], slot, logits).draft_token_ids[0]
+        self._last = (row, out)
+        return Proposal([out], None)
+
+    @torch.inference_mode()
+    def draft_ahead(self, interrupted: Callable[[], bool] = lambda: False) -> bool:
+        """Draft the next proposal of the last one-row greedy proposal, as if the target accepts all
+        of it and its bonus token is the draft's own next choice (module docstring); call between
+        proposals. ``interrupted`` is asked before every pass after the first: when it says a call
+        waits, what is drafted so far is kept and the rest left to that proposal. False if there was
+        nothing to draft."""
+        last, self._last = self._last, None
+        if last is None:
+            return False
+        row, drafts = last
+        slot = torch.tensor([row.slot], dtype=torch.int64, device=self.device)
+        fed = torch.ones(1, dtype=torch.bool, device=self.device)
+        k = len(drafts)
+        position = row.start + len(row.token_ids) + k - 1  # of the last draft; the cache holds up to it
+        self.cache.set_length(slot, torch.tensor([position], device=self.device))
+        token, guess, ahead = drafts[-1], None, []
+        while len(ahead) < k and (guess is None or not interrupted()):
+            # Feed the last token, take the next: first the guessed bonus token, then the drafts after it.
+            logits = self._ring_forward_one(torch.tensor([token], device=self.device), fed,
+                                            torch.tensor([position], device=self.device), slot)
+            token = int(sample_draft_tokens(logits, [row.sampling], [position + 1])[0][0])
+            position += 1
+            if guess is None:
+                guess = ProposeRow(row.slot, row.epoch, position - 1, (drafts[-1], token), k, row.sampling)
+            else:
+                ahead.append(token)
+        if ahead:
+            self._kept[row.slot] = (guess, ahead)
+            self.ahead_counts.drafted += 1
+            self.ahead_counts.cut_short += len(ahead) < k
+        return True
 
     def _rollback(self, rows: list[ProposeRow], slots: torch.Tensor) -> None:
         held = self.cache.length[slots].tolist()

@@ -123,7 +123,8 @@ def make_draft_proposer(config: EngineConfig, vocab_limit: int | None,
     model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device)
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
     grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))
-    return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit, grammars)
+    return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit, grammars,
+                         ahead=config.draft_ahead)
 
 
 class LocalServices:

@@ -56,7 +56,7 @@ def memory_plan(config: EngineConfig, tensor_parallel_size: int = 1, nodes: int 
                               name=checkpoint_name(config.draft))
     workload = Workload(config.capacity, config.max_context, config.num_speculative_tokens, config.draft_window,
                         config.max_num_seqs, config.max_num_batched_tokens, config.kv_pool_tokens,
-                        SLOT_POOL_SHARE if device == "cpu" else None)
+                        SLOT_POOL_SHARE if device == "cpu" else None, config.draft_ahead)
     return plan(target, placement, workload, draft)
 
 

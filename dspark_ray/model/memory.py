@@ -499,6 +499,7 @@ class Workload:
     max_num_batched_tokens: int = 4096
     kv_pool_tokens: int | None = None  # a fixed pool
     kv_pool_share: float | None = None  # a fixed pool of this share of capacity x max_context (CPU: 1/4)
+    draft_ahead: bool = False  # EngineConfig.draft_ahead: the draft's ring holds window + 2k
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_context", "draft_window", "max_num_seqs", "max_num_batched_tokens"):
@@ -557,11 +558,11 @@ def _target_costs(ck: Checkpoint, place: Placement, work: Workload, k: int) -> C
 
 
 def _draft_costs(ck: Checkpoint, place: Placement, work: Workload, k: int) -> Costs:
-    """The draft, whole on rank 0's device: its weights, its window cache (``window + k`` positions
-    for every slot and the padding row; a DSpark draft's context ring: its window + its block) and
+    """The draft, whole on rank 0's device: its weights, its window cache (``window + k`` positions,
+    ``window + 2k`` when it drafts ahead, for every slot and the padding row; a DSpark draft's context ring: its window + its block) and
     one step's activations."""
     rows = min(work.max_num_seqs, work.capacity)
-    window, ahead = work.draft_window, k
+    window, ahead = work.draft_window, 2 * k if work.draft_ahead else k
     if ck.arch.block_draft is not None:
         ring_window, ahead = ck.arch.block_draft
         window = min(ring_window or work.max_context, work.max_context)  # engine/dspark_proposer.context_window

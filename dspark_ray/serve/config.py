@@ -151,6 +151,12 @@ class AppConfig(BaseModel):
         "Performance: on the 2-core box with torch_threads 2, 1.11x of worker at 8 concurrent requests, 0.86x at "
         "32).",
     )
+    draft_ahead: bool = Field(
+        False, description="With draft_placement worker: after drafting a lone greedy request, the draft worker "
+        "drafts its next proposal while the target verifies this one, as if every draft is accepted and the "
+        "target's bonus token is the draft's own next choice; the next proposal is answered from it when it "
+        "asks for exactly that (engine/draft_proposer.py). Uses the draft's idle time; output is unchanged.",
+    )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the target KV of equal prompt prefixes (blocks of 16 tokens: system prompts, "
         "chat history) instead of computing them again; output is unchanged. Requests opt out with "
@@ -337,6 +343,7 @@ class AppConfig(BaseModel):
             draft_dtype=self.draft_dtype,
             device=self.device,
             pipeline=self.pipeline and self.draft_placement == "worker",
+            draft_ahead=self.draft_ahead and self.draft_placement == "worker",
             enable_prefix_caching=self.enable_prefix_caching,
             memory_utilization=self.memory_utilization,
         )

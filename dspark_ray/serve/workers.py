@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -37,6 +38,8 @@ from dspark_ray.serve.group import join_group, rendezvous_address
 from dspark_ray.serve.metrics import ShardMetrics
 from dspark_ray.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 class TorchThread:
     """The one thread that runs a worker's torch calls, one at a time, in arrival order.
@@ -47,11 +50,16 @@ class TorchThread:
     hand-off and the wake-up of a sleeping thread cost each step about a
     millisecond, and the step itself ran slower on a cold core). Between
     calls it waits ``spin_s`` polling (yielding the core to anyone who wants
-    it) before it sleeps: a step that comes soon finds it awake.
+    it) before it sleeps: a step that comes soon finds it awake. ``idle``,
+    when set, is called on the thread whenever no call waits, before it
+    polls or sleeps (the draft's ``draft_ahead``), with a function that
+    tells it whether a call is waiting (it should then stop soon: the call
+    waits for it); it returns whether it did anything.
     """
 
     def __init__(self, torch_threads: int, name: str = "dspark-torch", spin_s: float = 0.0) -> None:
         self.spin_s = spin_s
+        self.idle: Callable[[Callable[[], bool]], bool] | None = None
         self._jobs: collections.deque = collections.deque()
         self._wake_read, self._wake_write = socket.socketpair()  # a job is waiting: one byte
         self._wake_read.setblocking(False)
@@ -88,11 +96,21 @@ class TorchThread:
     def _wait(self) -> list:
         waiting = [self._wake_read, *(conn for conn, _ in self._channels.values())]
         ready = wait(waiting, timeout=0)
+        while not ready and self.idle is not None and self._run_idle(lambda: bool(wait(waiting, timeout=0))):
+            ready = wait(waiting, timeout=0)
         deadline = time.perf_counter() + self.spin_s
         while not ready and time.perf_counter() < deadline:
             os.sched_yield()
             ready = wait(waiting, timeout=0)
         return ready or wait(waiting)
+
+    def _run_idle(self, called: Callable[[], bool]) -> bool:
+        try:
+            return bool(self.idle(called))
+        except Exception:  # noqa: BLE001 - idle work is optional; the calls go on without it
+            log.exception("idle work failed; turned off")
+            self.idle = None
+            return False
 
     def _run_jobs(self) -> None:
         try:
@@ -194,6 +212,13 @@ class DraftWorker(_ChannelWorker):
 
         super().__init__(torch_threads, spin_s)
         self.proposer = self.torch.call(make_draft_proposer, config, Tokenizer.from_path(config.model).vocab_size)
+        if config.draft_ahead and hasattr(self.proposer, "draft_ahead"):  # an independent draft
+            self.torch.idle = self.proposer.draft_ahead
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
         return self.proposer.propose(rows)
+
+    def ahead_counts(self) -> dict[str, int]:
+        """What drafting ahead did (engine/draft_proposer.py): drafted, used, dropped."""
+        counts = getattr(self.proposer, "ahead_counts", None)
+        return self.torch.call(dataclasses.asdict, counts) if counts is not None else {}
