@@ -100,6 +100,7 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop
 
     def num_waiting(self) -> int:
+        """Requests the engine holds waiting, plus commands not yet done (admissions among them)."""
         return len(self.engine.scheduler.waiting) + len(self._inbox)
 
     async def generate(
@@ -182,7 +183,12 @@ class EngineLoop:
             while not self._stop:
                 loop_start = time.perf_counter()
                 while self._inbox:
-                    self._inbox.popleft()()
+                    # Run first, then take it off: an admission counts as waiting (num_waiting) until the
+                    # engine holds it, so two requests arriving together cannot both pass a full queue.
+                    try:
+                        self._inbox[0]()
+                    finally:
+                        self._inbox.popleft()
                 self._busy_since = time.monotonic()
                 self._maintain()
                 self._busy_since = None
