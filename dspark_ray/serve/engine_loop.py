@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -67,6 +68,10 @@ class EngineLoop:
     """
 
     REBUILD_RETRY_S = 1.0
+    # While no step runs, the metrics' gauges are reported again this often: Ray (2.60) exports a
+    # gauge only when it was set since the last export and drops a series not exported for two
+    # report intervals (20 s by default), so an idle replica's gauges would vanish from Prometheus.
+    GAUGE_REFRESH_S = 1.0
 
     def __init__(self, engine: Engine, max_queued_requests: int, idle_wait_s: float = 0.05,
                  metrics: ServingMetrics | None = None,
@@ -79,6 +84,7 @@ class EngineLoop:
         self.sync_interval_s = sync_interval_s
         self._next_sync = 0.0
         self.metrics = metrics or ServingMetrics.for_engine(engine)
+        self._reported_at = -math.inf  # time.monotonic() of the last metrics report
         self.max_queued_requests = max_queued_requests
         self.idle_wait_s = idle_wait_s
         self.timeline = StepTimeline()
@@ -213,7 +219,7 @@ class EngineLoop:
                 t1 = time.perf_counter()
                 self._deliver(outputs)
                 t2 = time.perf_counter()
-                self.metrics.after_step(outputs, self.num_waiting())
+                self._report(outputs)
                 if self.engine.counters.steps != steps:
                     self._record_step(loop_start, t0, t1, t2)
         except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
@@ -245,9 +251,16 @@ class EngineLoop:
         timeline.add("deliver", t2 - t1)
         timeline.add("loop", time.perf_counter() - loop_start)
 
+    def _report(self, outputs: list) -> None:
+        self._reported_at = time.monotonic()
+        self.metrics.after_step(outputs, self.num_waiting())
+
     def _maintain(self) -> None:
-        """Between steps: the slot heartbeat, and a target rebuild after a failure."""
+        """Between steps: the slot heartbeat, a target rebuild after a failure, and the metrics'
+        gauges while no step reports them."""
         now = time.monotonic()
+        if now - self._reported_at >= self.GAUGE_REFRESH_S:
+            self._report([])
         if now >= self._next_sync:
             self._next_sync = now + self.sync_interval_s
             try:
@@ -258,7 +271,7 @@ class EngineLoop:
             if self.engine.expire(now):  # steps do this; none runs while the target is rebuilt
                 expired = self.engine.take_pending()
                 self._deliver(expired)
-                self.metrics.after_step(expired, self.num_waiting())
+                self._report(expired)
             if now >= self._next_rebuild:
                 self._recover_target(now)
 
@@ -271,7 +284,7 @@ class EngineLoop:
             engine.fail_all(TARGET_FAILED, ErrorCode.TARGET_FAILED)
             failed = engine.take_pending()
             self._deliver(failed)
-            self.metrics.after_step(failed, self.num_waiting())
+            self._report(failed)
             engine.target_failed_at = now  # requests from now on get a window of their own
             if self.rebuild_target is None:
                 engine.reset_target(engine.target)

@@ -87,8 +87,16 @@ class _SlotMetrics:
             self.hold_time,
         ):
             metric.set_default_tags(tags)
+        self._capacity = capacity
         self.capacity.set(capacity)
         self._published = SlotCounters()
+
+    def refresh_gauges(self, in_use: int) -> None:
+        """Set both gauges again. Ray (2.60) exports a gauge only when it was set since the last
+        export, and its metrics agent drops a series not exported for two report intervals (20 s
+        by default), so a gauge left alone vanishes from Prometheus: this runs every second."""
+        self.in_use.set(in_use)
+        self.capacity.set(self._capacity)
 
     def observe_release(self, lease: SlotLease, held_s: float) -> None:
         self.hold_time.observe(held_s)
@@ -228,6 +236,7 @@ class SlotManager:
             time.sleep(min(1.0, self._owner_timeout_s / 4))
             try:
                 self.reap_silent_owners()
+                self._metrics.refresh_gauges(self._registry.in_use())
             except Exception:  # noqa: BLE001 - the reaper must survive to try again
                 log.exception("slot owner reaper failed")
 
