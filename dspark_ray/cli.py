@@ -79,7 +79,8 @@ def _plan(args: argparse.Namespace) -> int:
             draft = Checkpoint.of(read_config(args.draft), args.device, args.dtype, name=checkpoint_name(args.draft))
         work = Workload(args.capacity, args.max_context, args.k, args.draft_window, args.max_num_seqs,
                         args.max_num_batched_tokens, args.kv_pool_tokens,
-                        SLOT_POOL_SHARE if args.device == "cpu" and args.kv_pool_tokens is None else None)
+                        SLOT_POOL_SHARE if args.device == "cpu" and args.kv_pool_tokens is None else None,
+                        draft_ahead=args.draft_ahead)
         placement = Placement(args.tp, args.nodes, memory, args.memory_utilization, args.device)
     except (ValueError, ModelLoadError) as exc:
         print(f"dspark plan: {exc}", file=sys.stderr)
@@ -109,6 +110,8 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--capacity", type=int, default=64, help="request slots of the replica")
     plan.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     plan.add_argument("--draft-window", type=int, default=32)
+    plan.add_argument("--draft-ahead", action="store_true",
+                      help="draft_ahead: the draft's window cache holds 2k positions of slack instead of k")
     plan.add_argument("--max-num-seqs", type=int, default=32)
     plan.add_argument("--max-num-batched-tokens", type=int, default=4096)
     plan.add_argument("--kv-pool-tokens", type=int, default=None, help="a fixed KV pool (default: from memory)")

@@ -413,6 +413,16 @@ def test_dspark_plan_prints_the_table_and_fails_when_it_does_not_fit():
     code, text = run("--model", model, "--tp", "1", "--memory-gb", "128", "--max-context", "8192")
     assert code == 1 and "verdict: DOES NOT FIT" in text and "What would fit" in text
 
+    def window_cache_mb(*extra: str) -> float:
+        code, text = run("--model", str(SHIPPED_TARGET), "--draft", str(SHIPPED_DRAFT), "--device", "cpu",
+                         "--memory-gb", "8", "--draft-window", "32", "-k", "4", *extra)
+        assert code == 0, text
+        line = next(line for line in text.splitlines() if "draft window cache" in line)
+        return float(line.split()[-2])
+
+    # --draft-ahead: the ring holds window + 2k positions per slot instead of window + k
+    assert window_cache_mb("--draft-ahead") / window_cache_mb() == pytest.approx((32 + 8) / (32 + 4), rel=0.03)
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_pool_is_sized_from_memory_and_a_hopeless_deployment_is_refused_before_loading():

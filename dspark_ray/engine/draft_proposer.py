@@ -171,14 +171,17 @@ class DraftProposer:
             kept = self._use_kept(rows)
             if kept is not None:
                 return kept
+        proposal = self._propose(rows)
+        if self.ahead and len(rows) == 1 and self._aheadable(rows[0]):
+            self._last = (rows[0], proposal.draft_token_ids[0])
+        return proposal
+
+    def _propose(self, rows: list[ProposeRow]) -> Proposal:
         slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
         self.cache.bind(slots, torch.tensor([r.epoch for r in rows], device=self.device))
         self._rollback(rows, slots)
         logits = self._catch_up(rows, slots)  # [B, V] next-token logits
-        proposal = self._draft(rows, slots, logits)
-        if self.ahead and len(rows) == 1 and self._aheadable(rows[0]):
-            self._last = (rows[0], proposal.draft_token_ids[0])
-        return proposal
+        return self._draft(rows, slots, logits)
 
     # -- drafting ahead (module docstring) ---------------------------------------------
 
@@ -201,15 +204,10 @@ class DraftProposer:
             return None
         self.ahead_counts.used += 1
         out = drafts[:row.num_draft]
-        if len(out) < row.num_draft:  # cut short: go on from the last draft kept, as the ordinary path would
-            slot = torch.tensor([row.slot], dtype=torch.int64, device=self.device)
+        if len(out) < row.num_draft:  # cut short: the rest is an ordinary proposal after the last draft kept
             last = guess.start + len(guess.token_ids) + len(out) - 1  # the position of out[-1], not fed yet
-            self.cache.set_length(slot, torch.tensor([last], device=self.device))
-            logits = self._ring_forward_one(torch.tensor([out[-1]], device=self.device),
-                                            torch.ones(1, dtype=torch.bool, device=self.device),
-                                            torch.tensor([last], device=self.device), slot)
             rest = ProposeRow(row.slot, row.epoch, last, (out[-1],), row.num_draft - len(out), row.sampling)
-            out = out + self._draft([rest], slot, logits).draft_token_ids[0]
+            out = out + self._propose([rest]).draft_token_ids[0]
         self._last = (row, out)
         return Proposal([out], None)
 

@@ -559,8 +559,8 @@ def _target_costs(ck: Checkpoint, place: Placement, work: Workload, k: int) -> C
 
 def _draft_costs(ck: Checkpoint, place: Placement, work: Workload, k: int) -> Costs:
     """The draft, whole on rank 0's device: its weights, its window cache (``window + k`` positions,
-    ``window + 2k`` when it drafts ahead, for every slot and the padding row; a DSpark draft's context ring: its window + its block) and
-    one step's activations."""
+    ``window + 2k`` when it drafts ahead, for every slot and the padding row; a DSpark draft's
+    context ring: its window + its block) and one step's activations."""
     rows = min(work.max_num_seqs, work.capacity)
     window, ahead = work.draft_window, 2 * k if work.draft_ahead else k
     if ck.arch.block_draft is not None:
