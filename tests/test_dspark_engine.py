@@ -19,15 +19,18 @@ sequential and pipelined); and every block the engine's proposer drafts equals
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import SHIPPED_TARGET, shipped
 from dspark_ray.engine import EngineConfig, SamplingParams
+from dspark_ray.engine.adaptive import confident_drafts
 from dspark_ray.engine.dspark_proposer import DSparkProposer
 from dspark_ray.engine.interfaces import ContextStates, Proposal, ProposeRow, SamplingRow
 from dspark_ray.engine.local import build_local_engine
@@ -38,12 +41,22 @@ from engine_fixtures import (  # noqa: F401 - fixtures
     generate,
     make_engine,
     make_pipelined_engine,
+    run_all,
     tiny_vocab_models,
 )
 from test_dspark_draft import DRAFT_CONFIG, draft_tensors, write_checkpoint
+from test_engine_adaptive import adaptive_engine
 from test_engine_contamination import CONFIG as SCHEDULE_CONFIG
 from test_engine_contamination import NUM_REQUESTS, drive, random_schedule
-from test_engine_sampling import LENGTH, NUM_SAMPLES, P_VALUE_FLOOR, chi_square, exact_distribution, sample_counts
+from test_engine_sampling import (
+    LENGTH,
+    NUM_SAMPLES,
+    P_VALUE_FLOOR,
+    PROMPT,
+    chi_square,
+    exact_distribution,
+    sample_counts,
+)
 
 BLOCK = 4
 SHIPPED_DRAFT_CONFIG = {
@@ -120,9 +133,14 @@ class CheckedProposer:
             pos = torch.arange(p0)[None]
             _, taps = tap_hidden_states(self.target, ids, draft.config.target_layer_ids, pos)
             k, v = draft.context_kv(taps, pos)
+            # a non-causal draft's block always has its most queries (DSparkProposer._queries)
+            queries = len(drafts) if self.inner.causal else min(BLOCK, self.engine.max_spec_tokens)
             expected = draft.draft(torch.tensor([tokens[p0]]), torch.tensor([p0]), BlockContext.of(k, v, pos),
-                                   num_query=len(drafts))
-            assert drafts == expected.tokens[0].tolist(), (row.slot, p0)
+                                   num_query=queries)
+            assert drafts == expected.tokens[0, :len(drafts)].tolist(), (row.slot, p0)
+            if proposal.confidence is not None:
+                torch.testing.assert_close(torch.tensor(proposal.confidence[rows.index(row)]),
+                                           expected.confidence[0, :len(drafts)], atol=1e-5, rtol=1e-5)
             self.checked += 1
         return proposal
 
@@ -161,6 +179,22 @@ def test_more_drafts_asked_than_the_block_holds(target_path, dspark_path, refere
     assert [len(d) for d in proposal.draft_token_ids] == [BLOCK, 2]
     assert proposal.draft_probs.shape == (2, 6, 4096)
     torch.testing.assert_close(proposal.draft_probs[1, :BLOCK].sum(-1), torch.ones(BLOCK))
+
+
+def test_a_rows_block_does_not_depend_on_what_the_other_rows_ask(target_path, dspark_path):
+    """The test drafts' layers are non-causal: a block's queries see each other, so the proposer
+    gives every block its most queries. A row's drafts, q and confidences are the same alone and
+    beside a row that asks for more drafts."""
+    engine = make_engine(target_path, dspark_path, **CONFIG)
+    assert not engine.draft.causal
+    context = ContextStates(0, torch.randn(6, 3 * 256, generator=torch.Generator().manual_seed(0)))
+    row = ProposeRow(1, 1, 0, (5, 6, 7, 8, 9, 10, 11), 1, SamplingRow(0.8, 1.0, 0, 11), context=context)
+    other = ProposeRow(2, 1, 0, (9, 3), 4, SamplingRow(0.0, 1.0, 0, 0))
+    alone = engine.draft.propose([row])
+    beside = engine.draft.propose([dataclasses.replace(row, context=None), other])
+    assert beside.draft_token_ids[0] == alone.draft_token_ids[0] and len(alone.draft_token_ids[0]) == 1
+    torch.testing.assert_close(beside.draft_probs[0], alone.draft_probs[0])
+    assert beside.confidence[0] == pytest.approx(alone.confidence[0], abs=1e-6)
 
 
 def test_context_states_merge():
@@ -206,6 +240,59 @@ def test_random_schedule_matches_solo_runs(target_path, dspark_path, alone, seed
     assert_drained(engine, NUM_REQUESTS)
 
 
+# -- the confidence head: adaptive verification ------------------------------------------------------
+
+
+class CountedProposer:
+    """The engine's proposer; per request, the drafts it was given and those ``confident_drafts``
+    keeps of each block."""
+
+    def __init__(self, engine, inner) -> None:
+        self.engine, self.inner = engine, inner
+        self.kept: Counter = Counter()
+        self.given: Counter = Counter()
+
+    def propose(self, rows: list[ProposeRow]) -> Proposal:
+        proposal = self.inner.propose(rows)
+        assert proposal.confidence is not None
+        for row, drafts, conf in zip(rows, proposal.draft_token_ids, proposal.confidence):
+            assert len(conf) == len(drafts) and all(0 < c < 1 for c in conf)
+            req = next(r for r in self.engine.requests.values() if (r.slot, r.epoch) == (row.slot, row.epoch))
+            self.kept[req.req_id] += confident_drafts(conf)
+            self.given[req.req_id] += len(drafts)
+        return proposal
+
+
+def test_the_confidence_head_cuts_blocks_and_greedy_output_is_unchanged(target_path, dspark_path, reference):
+    """Adaptive speculation with a confidence head: each row verifies its block as far as
+    ``confident_drafts`` says (the step's k cycling through 4, 2, 0 and 3), output is the
+    target's own, the proposer's confidences equal the from-scratch draft's, and a request that
+    fixed its k verifies all it asked for; with confidence_verification off nothing is cut."""
+    prompts = prompt_set()[:4]
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS[:3]] + [
+        SamplingParams(max_tokens=MAX_TOKENS[3], num_speculative_tokens=4)]
+    for on in (True, False):
+        engine = adaptive_engine(target_path, dspark_path, [4, 4, 2, 0, 3], **CONFIG, confidence_verification=on)
+        checked = CheckedProposer(engine)
+        engine.draft = counted = CountedProposer(engine, checked)
+        ids = [engine.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
+        results = run_all(engine)
+        for prompt, i in zip(prompts, ids):
+            assert results[i].token_ids == reference[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+        assert checked.checked > 10
+        verified = {i: results[i].spec.draft_tokens for i in ids}
+        adapted, fixed = ids[:3], ids[3]
+        if on:
+            assert {i: verified[i] for i in adapted} == {i: counted.kept[i] for i in adapted}
+            assert engine.counters.confidence_cut_drafts == sum(counted.given[i] - counted.kept[i] for i in adapted) > 0
+        else:
+            assert {i: verified[i] for i in adapted} == {i: counted.given[i] for i in adapted}
+            assert engine.counters.confidence_cut_drafts == 0
+        assert verified[fixed] == counted.given[fixed] and results[fixed].spec.drafts > 0
+        assert counted.kept[fixed] < counted.given[fixed]  # it would have been cut
+        assert_drained(engine, len(prompts))
+
+
 # -- the tiny vocabulary: sampled output follows the target distribution -----------------------------
 
 
@@ -233,6 +320,36 @@ def test_sampled_sequences_follow_the_target_distribution(tiny_dspark: TinyVocab
     assert p_value > P_VALUE_FLOOR, f"chi2 {stat:.1f} on {df} df: p = {p_value:.2e}"
     accepted = sum(s.accepted_tokens for s in specs) / sum(s.draft_tokens for s in specs)
     assert 0.1 < accepted < 0.95, f"acceptance {accepted:.2f}: the draft should be partly right"
+
+
+def test_sampled_sequences_with_confidence_cuts_follow_the_target_distribution(tiny_dspark: TinyVocabModels,
+                                                                                tmp_path):
+    """The same chi-square test with adaptive speculation and the confidence head cutting blocks
+    (seeded requests: their k follows their own acceptance and their own block's confidence). The
+    head reads the Markov embedding of the token before each position only: its estimates spread
+    with that token, around the cap's threshold."""
+    cfg = json.loads((tiny_dspark.draft / "config.json").read_text())
+    tensors = load_file(tiny_dspark.draft / "model.safetensors")
+    h, r = cfg["hidden_size"], cfg["markov_rank"]
+    weight = torch.zeros(1, h + r)
+    weight[0, h:] = 2.0 * torch.randn(r, generator=torch.Generator().manual_seed(4))
+    tensors["confidence_head.proj.weight"], tensors["confidence_head.proj.bias"] = weight, torch.tensor([-1.0])
+    m = dataclasses.replace(tiny_dspark, draft=write_checkpoint(tmp_path / "spread", cfg, tensors))
+    expected = exact_distribution(m.target, m.vocab, 1.0, 0, 1.0)
+    engine = adaptive_engine(m.target, m.draft, [3], num_speculative_tokens=3, capacity=64, max_num_seqs=64,
+                             max_context=16)
+    counts: dict[tuple, int] = {}
+    for start in range(0, NUM_SAMPLES, 64):
+        # Two tokens more than the distribution covers, so that the step after the prompt's may
+        # draft three (and the confidence cut them): the first LENGTH tokens' law is the same.
+        params = [SamplingParams(max_tokens=LENGTH + 2, ignore_eos=True, seed=s, temperature=1.0)
+                  for s in range(start, start + 64)]
+        for res in generate(engine, [PROMPT] * 64, params):
+            seq = tuple(res.token_ids[:LENGTH])
+            counts[seq] = counts.get(seq, 0) + 1
+    assert engine.counters.confidence_cut_drafts > NUM_SAMPLES // 4, engine.counters
+    stat, df, p_value = chi_square(counts, expected, NUM_SAMPLES)
+    assert df >= 6 and p_value > P_VALUE_FLOOR, f"chi2 {stat:.1f} on {df} df: p = {p_value:.2e}"
 
 
 # -- bad input ---------------------------------------------------------------------------------------

@@ -11,12 +11,20 @@ saw every token as it came.
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 
 from dspark_ray.engine import SamplingParams
-from dspark_ray.engine.adaptive import CAP_PROB, PRIOR_ACCEPTANCE, Acceptance, SpecController, bucket
+from dspark_ray.engine.adaptive import (
+    CAP_PROB,
+    PRIOR_ACCEPTANCE,
+    Acceptance,
+    SpecController,
+    bucket,
+    confident_drafts,
+)
 from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.interfaces import ProposeRow, SamplingRow
 from dspark_ray.model.llama import CausalAttention
@@ -80,6 +88,19 @@ def test_acceptance_learns_caps_and_fades_back_to_the_prior():
     for i in range(4):
         chain *= a.rate(i)
         assert (chain >= CAP_PROB) == (i < a.cap) or i == 0
+
+
+def test_confident_drafts_is_the_cap_rule_on_one_blocks_estimate():
+    """A block's drafts are verified as far as a request with those acceptance rates would be
+    capped: while P(all accepted so far) >= CAP_PROB, at least one."""
+    assert confident_drafts([]) == 0
+    assert confident_drafts([0.01, 0.99]) == 1  # never fewer than one
+    assert confident_drafts([0.9, 0.5, 0.9, 0.1]) == 3  # 0.9, 0.45, 0.405 stay; 0.04 does not
+    assert confident_drafts([0.99] * 6) == 6
+    rng = random.Random(5)
+    for _ in range(200):
+        rates = [rng.uniform(0.05, 1.0) for _ in range(rng.randint(1, 6))]
+        assert confident_drafts(rates) == Acceptance(len(rates), tuple(rates)).cap, rates
 
 
 def test_a_request_starts_from_the_prior_it_is_given():

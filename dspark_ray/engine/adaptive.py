@@ -100,6 +100,20 @@ class Acceptance:
         self.cap = max(cap, min(1, self.max_k))
 
 
+def confident_drafts(confidence: list[float]) -> int:
+    """How many of a block's drafts to verify, from the draft's own per-position acceptance
+    estimates (a DSpark draft's confidence head): the same rule as ``Acceptance.cap``, on this
+    block's estimate instead of the request's history. Position i is kept while the estimated
+    P(drafts 1..i all accepted) >= ``CAP_PROB``; never fewer than one draft (none if there is none)."""
+    chain, keep = 1.0, min(1, len(confidence))
+    for i, c in enumerate(confidence):
+        chain *= c
+        if chain < CAP_PROB:
+            break
+        keep = i + 1
+    return keep
+
+
 def bucket(batch: int) -> int:
     """Batch sizes that cost about the same share a bucket: 1, 2, 3, 4, then half octaves."""
     return batch if batch <= 4 else 4 + round(2 * math.log2(batch / 4))

@@ -16,6 +16,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
     # Choose each step's k from acceptance and measured costs (engine/adaptive.py); False: always k.
     adaptive_speculation: bool = True
+    # With adaptive speculation and a DSpark draft that has a confidence head: each row verifies its
+    # block only as far as the head expects it to be accepted (adaptive.confident_drafts).
+    confidence_verification: bool = True
     draft_window: int = 32  # positions the draft attends to (its ring cache holds window + k)
     capacity: int = 64  # request slots 1..capacity (row 0 is padding)
     max_context: int = 1024  # prompt + output tokens per request

@@ -12,18 +12,24 @@ NOTE: one call, for rows whose last token ``x`` (the anchor) sits at position
    (it only ever holds committed positions, so nothing is rolled back in the
    ordinary case: a rejected draft never reaches it).
 2. **Block.** ONE forward for all rows: ``[x, mask, ..]`` at ``p0 ..``
-   attending to the ring's window before ``p0``; ``S`` queries, the most drafts
-   a row asks for but at most the draft's block (a row asking more drafts than
-   the block holds gets the block: position ``j`` predicts ``p0 + j + 1``, and
-   the block has no query past ``p0 + block_size``).
+   attending to the ring's window before ``p0``; ``S`` queries, at most the
+   draft's block (a row asking more drafts than the block holds gets the
+   block: position ``j`` predicts ``p0 + j + 1``, and the block has no query
+   past ``p0 + block_size``): for a draft with non-causal layers always the
+   most any row may ask, so that no row's drafts depend on the others'
+   (``_queries``).
 3. **Markov head**, left to right with each row's sampling, as the target will
    verify it: the request's logits rules (penalties, logit bias, min_tokens,
    min_p) on each position given the drafts before it, then the argmax (greedy)
    or a draw from the processed q (temperature, top-k, top-p; keyed by seed
    and position), q kept in ``Proposal.draft_probs``.
+4. **Confidence.** With a confidence head, each draft's estimated acceptance
+   given the drafts before it (``Proposal.confidence``, from the position's
+   hidden state and the token before it); under adaptive speculation the
+   engine verifies a row's block only as far as it expects acceptance
+   (``adaptive.confident_drafts``).
 
-Not used (yet): the confidence head (adaptive speculation reads acceptance
-instead). Structured-output rows draft without their grammar (as
+Structured-output rows draft without their grammar (as
 ``DraftProposer`` without grammars): the engine cuts each draft at its first
 token the grammar forbids, which keeps verification exact.
 
@@ -98,6 +104,7 @@ class DSparkProposer:
         attn = model.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
         self.context_window = context_window(cfg, max_context)
+        self.causal = all(cfg.layer_causal)  # every layer's block queries see only those before them
         self.ring = ContextRing(cfg.backbone.num_layers, capacity, self.context_window, cfg.block_size, kv_heads,
                                 attn.head_dim, dtype=weight.dtype, device=self.device)
 
@@ -113,19 +120,31 @@ class DSparkProposer:
         self.ring.bind(slots, torch.tensor([r.epoch for r in rows], device=self.device))
         self._write_context(rows, slots, anchors)
         self.ring.set_length(slots, anchor_pos)  # context is what lies before the anchor
-        s = min(max(r.num_draft for r in rows), self.block_size, self.max_spec_tokens)
+        s = self._queries(rows)
         anchor_ids = torch.tensor([r.token_ids[-1] for r in rows], dtype=torch.int64, device=self.device)
         hidden = self.model.block_hidden(anchor_ids, anchor_pos, self.ring.view(slots, anchor_pos), s)
         base = mask_vocab(self.model.base_logits(hidden), self.vocab_limit)  # [B, S, V]
         sampler = RowSampler([r.sampling for r in rows], [p + 1 for p in anchors])
-        tokens, _, q, _ = self.model.sample_block(base, anchor_ids, sampler)
+        tokens, _, q, markov = self.model.sample_block(base, anchor_ids, sampler)
         probs = None
         if q is not None:
             probs = torch.zeros((len(rows), self.max_spec_tokens, q.shape[-1]), dtype=torch.float32,
                                 device=self.device)
             probs[:, :s] = q
         out = tokens.tolist()
-        return Proposal([out[b][:r.num_draft] for b, r in enumerate(rows)], probs)
+        confidence = self.model.confidence(hidden, markov)  # [B, S] or None without the head
+        if confidence is not None:
+            confidence = [c[:r.num_draft] for c, r in zip(confidence.tolist(), rows)]
+        return Proposal([out[b][:r.num_draft] for b, r in enumerate(rows)], probs, confidence)
+
+    def _queries(self, rows: list[ProposeRow]) -> int:
+        """The block's queries. A query sees the block's later queries in a non-causal layer, so
+        there a row's drafts depend on how many queries the block has: always the most any row may
+        ask (as vLLM, which always drafts num_speculative_tokens), never what the batch asks, or a
+        row's drafts would depend on the other rows. With causal layers only, the most this batch
+        asks gives the same drafts for less."""
+        most = min(self.block_size, self.max_spec_tokens)
+        return min(max(r.num_draft for r in rows), most) if self.causal else most
 
     def _write_context(self, rows: list[ProposeRow], slots: torch.Tensor, anchors: list[int]) -> None:
         """The new context states of the rows that have some, as context K/V in their slots' rings.

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_ray.engine.adaptive import POPULATION_DECAY, Acceptance, SpecController
+from dspark_ray.engine.adaptive import POPULATION_DECAY, Acceptance, SpecController, confident_drafts
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.detokenizer import OutputText
 from dspark_ray.engine.interfaces import (
@@ -142,6 +142,7 @@ class EngineCounters:
     prefix_cache_query_tokens: int = 0  # prompt tokens of prefills that could use the prefix cache
     prefix_cache_hit_tokens: int = 0  # of them, found in the target's prefix cache (not computed)
     grammar_cut_drafts: int = 0  # draft tokens a structured output's grammar forbade (never verified)
+    confidence_cut_drafts: int = 0  # draft tokens the draft's confidence head expected rejected (never verified)
     spec_k_steps: dict[int, int] = field(default_factory=dict)  # adaptive speculation: steps that chose each k
     finished: dict[str, int] = field(default_factory=dict)
 
@@ -708,11 +709,21 @@ class Engine:
         for r, context in zip(rows, sent):
             if r.context is context:  # the draft has them now
                 r.context = None
-        probs = proposal.draft_probs
-        return {
-            r.req_id: (proposal.draft_token_ids[i], None if probs is None else probs[i])
-            for i, r in enumerate(rows)
-        }
+        probs, confidence = proposal.draft_probs, proposal.confidence
+        if not self.config.confidence_verification:
+            confidence = None
+        drafts = {}
+        for i, r in enumerate(rows):
+            toks = proposal.draft_token_ids[i]
+            if confidence is not None and r.acceptance is not None:
+                # Adaptive speculation on this block's own estimate (adaptive.confident_drafts), like a
+                # request's own cap (a seeded sampled request's too: the estimate is of its own block);
+                # a request that fixed its k verifies what it asked for.
+                n = confident_drafts(confidence[i][:len(toks)])
+                self.counters.confidence_cut_drafts += len(toks) - n
+                toks = toks[:n]
+            drafts[r.req_id] = (toks, None if probs is None else probs[i])
+        return drafts
 
     def _draft_failed(self, rows: list[Request], exc: Exception) -> dict:
         """These rows run without drafts this time; their draft caches are rebuilt from scratch."""

@@ -137,6 +137,12 @@ class Proposal:
     # [B, K, V] float32: the distribution each draft token was sampled from
     # (rows that are greedy hold zeros); None when every row is greedy.
     draft_probs: torch.Tensor | None
+    # Per row, per draft token: the draft's own estimate of P(the token is accepted | the drafts
+    # before it were), from a DSpark draft's confidence head (engine/dspark_proposer.py). It reads
+    # the position's hidden state and the token before it, never the token itself, so cutting a
+    # row's drafts where it runs low decides nothing from the token being judged (lossless).
+    # None without such a head.
+    confidence: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ ENGINE_COUNTERS = {
     "prefix_cache_query_tokens": "Prompt tokens of prefills that could use the target's prefix cache.",
     "prefix_cache_hit_tokens": "Of them, tokens found in the prefix cache (mapped, not computed).",
     "grammar_cut_drafts": "Draft tokens a structured output's grammar forbade (cut before verification).",
+    "confidence_cut_drafts": "Draft tokens a DSpark draft's confidence head expected rejected (cut before "
+                             "verification).",
 }
 
 
