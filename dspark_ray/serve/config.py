@@ -51,6 +51,10 @@ class AppConfig(BaseModel):
         "acceptance and the measured cost of drafting and verifying at this batch size, for the most tokens "
         "per second; false always drafts num_speculative_tokens. A request's own num_speculative_tokens wins.",
     )
+    confidence_verification: bool = Field(
+        True, description="With adaptive_speculation and a DSpark draft that ships a confidence head: each request "
+        "verifies its block only as far as the head expects it accepted (P(all accepted so far) >= 0.2).",
+    )
     draft_window: int = Field(32, ge=1, description="Positions the draft attends to (its ring cache size minus k).")
     capacity: int = Field(
         64, ge=1, description="Request slots of the whole application, shared by its replicas: the slot manager "
@@ -333,6 +337,7 @@ class AppConfig(BaseModel):
             draft=self.draft,
             num_speculative_tokens=self.num_speculative_tokens,
             adaptive_speculation=self.adaptive_speculation,
+            confidence_verification=self.confidence_verification,
             draft_window=self.draft_window,
             capacity=self.slots_per_replica,
             max_context=self.max_context,
