@@ -91,7 +91,7 @@ def test_drafting_ahead_proposes_what_the_plain_draft_does_and_changes_no_output
     assert plain.draft.ahead_counts.drafted == 0
 
 
-def test_a_sampled_or_multi_row_proposal_is_never_drafted_ahead(shipped_target, shipped_draft):
+def test_only_the_lone_greedy_request_is_drafted_ahead(shipped_target, shipped_draft):
     engine = build_local_engine(config(shipped_target, shipped_draft, draft_ahead=True))
     proposer = engine.draft
     engine.add_request("ROMEO:\n", SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True), "s")
@@ -104,6 +104,14 @@ def test_a_sampled_or_multi_row_proposal_is_never_drafted_ahead(shipped_target, 
         engine.step()
         assert not proposer.draft_ahead()  # two rows: the worker is not idle while they verify
     assert proposer.ahead_counts.drafted == 0
+    engine.add_request("ROMEO:\n", SamplingParams(max_tokens=30, ignore_eos=True), "c")
+    engine.step()  # its prompt
+    engine.step()  # its first proposal, alone
+    assert proposer.draft_ahead()
+    engine.add_request("JULIET:\n" * 3, SamplingParams(max_tokens=30, ignore_eos=True), "d")
+    engine.step()  # c alone proposes (d's prompt is fed, undrafted), but c is not the only request
+    assert engine.scheduler.running and len(engine.scheduler.running) == 2
+    assert not proposer.draft_ahead()
 
 
 @pytest.mark.ray

@@ -683,11 +683,12 @@ class Engine:
         rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
         if not rows:
             return None
+        alone = len(rows) == len(self.scheduler.running) == 1 and not self.scheduler.waiting
         propose_rows = [
             ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
                        sampling[r.req_id],
                        None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)),
-                       r.context)
+                       r.context, alone)
             for r in rows
         ]
         sent = [r.context for r in rows]

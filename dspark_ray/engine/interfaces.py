@@ -129,6 +129,10 @@ class ProposeRow:
     # positions not sent to the draft before (VerifyResult.context, kept by the engine per
     # request until its next proposal); None: nothing new. An independent draft ignores it.
     context: ContextStates | None = None
+    # The engine's only request (nothing else running or waiting): a draft worker may draft its
+    # next proposal ahead while the target verifies (draft_proposer, ``draft_ahead``). With other
+    # requests about, the machine's time is theirs.
+    alone: bool = False
 
 
 @dataclass(frozen=True)
