@@ -719,7 +719,8 @@ class Engine:
             if confidence is not None and r.acceptance is not None:
                 # Adaptive speculation on this block's own estimate (adaptive.confident_drafts), like a
                 # request's own cap (a seeded sampled request's too: the estimate is of its own block);
-                # a request that fixed its k verifies what it asked for.
+                # a request that fixed its k verifies what it asked for. Its acceptance is then
+                # recorded over the positions verified, the doubtful ones cut: it leans high.
                 n = confident_drafts(confidence[i][:len(toks)])
                 self.counters.confidence_cut_drafts += len(toks) - n
                 toks = toks[:n]
