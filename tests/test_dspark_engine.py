@@ -367,11 +367,38 @@ def test_a_draft_that_does_not_fit_is_refused_before_loading(target_path, dspark
         build_local_engine(EngineConfig(model=str(target_path), draft=str(bad), **CONFIG))
 
 
+class RecordedDraft:
+    """A draft service (here the served ``RayDraft``) whose every block is kept: (slot, anchor
+    position, drafts, confidences), in the order the engine collected them."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.blocks = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose_async(self, rows: list[ProposeRow]):
+        pending, blocks = self.inner.propose_async(rows), self.blocks
+
+        class Reply:
+            def result(self) -> Proposal:
+                proposal = pending.result()
+                blocks.extend((r.slot, r.start + len(r.token_ids) - 1, tuple(t), tuple(c))
+                              for r, t, c in zip(rows, proposal.draft_token_ids, proposal.confidence))
+                return proposal
+
+        return Reply()
+
+
 @pytest.mark.ray
 def test_through_the_ray_workers_at_tensor_parallel_2(target_path, dspark_path, reference):
     """The served services (a draft worker and two target shards as Ray actors, the engine
-    pipelined over their channels, as a Serve replica drives them): rank 0 alone returns the
-    context states, the ranks agree on the rest, and greedy output is the target's own."""
+    pipelined over their channels, as a Serve replica drives them), once with the context states
+    sent by target rank 0 to the draft worker directly (serve/context_push.py, the default) and
+    once relayed through the engine (``context_path="replica"``): greedy output is the target's
+    own both times; sent directly, no state passes the engine and the worker reads them all; and
+    every block is the same either way, drafts and confidences (both read the block's context: a
+    state missing or late would change them)."""
     import ray
 
     from dspark_ray.engine import Engine
@@ -382,23 +409,45 @@ def test_through_the_ray_workers_at_tensor_parallel_2(target_path, dspark_path, 
     assert not ray.is_initialized(), "another test left Ray initialised in this process"
     ray.init(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
              namespace="dspark-dspark-tests", log_to_driver=False)
+    # A fixed k (adaptive speculation would follow the machine's step times) and a float32 draft.
+    config = EngineConfig(model=str(target_path), draft=str(dspark_path), adaptive_speculation=False,
+                          draft_dtype="float32", **CONFIG)
+    prompts = prompt_set()
+    runs = {}
     try:
-        config = EngineConfig(model=str(target_path), draft=str(dspark_path), **CONFIG)
-        services = start_replica_services(config, app_name="dspark-tp2", replica="r0", tensor_parallel_size=2,
-                                          placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1,
-                                          slot_timeout_s=30)
-        try:
-            assert services.draft.context_window == config.max_context  # the draft attends to all of it
-            engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target,
-                            services.draft, owner="r0")
-            assert engine.pipelined
-            prompts = prompt_set()
-            results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
-        finally:
-            services.shutdown()
+        for path, placement in (("direct", "worker"), ("replica", "worker"), ("direct", "target")):
+            services = start_replica_services(config, app_name="dspark-tp2", replica="r0", tensor_parallel_size=2,
+                                              placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1,
+                                              slot_timeout_s=30, context_path=path, draft_placement=placement)
+            try:
+                assert services.draft.context_window == config.max_context  # the draft attends to all of it
+                draft = RecordedDraft(services.draft)
+                engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target,
+                                draft, owner="r0")
+                assert engine.pipelined
+                results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+                proposer = services.draft_worker or services.shards[0]
+                counts = ray.get(proposer.__ray_call__.remote(lambda self: dict(self.inbox.counts)))
+                runs[path if placement == "worker" else "in rank 0"] = (
+                    results, services.target.context_relayed, counts, draft.blocks)
+            finally:
+                services.shutdown()
     finally:
         ray.shutdown()
-    for prompt, res in zip(prompts, results):
-        assert res.token_ids == reference[tuple(prompt)], f"prompt of {len(prompt)} tokens"
-    spec = [r.spec for r in results if r.spec is not None]
-    assert sum(s.accepted_tokens for s in spec) > 0  # drafts were accepted: context reached the worker
+    for results, *_ in runs.values():
+        for prompt, res in zip(prompts, results):
+            assert res.token_ids == reference[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    direct, relayed, in_rank0 = runs["direct"], runs["replica"], runs["in rank 0"]
+    assert direct[1] == 0 and direct[2]["positions"] > 0 and direct[2]["wait_expired"] == 0
+    assert relayed[1] > 0 and relayed[2]["positions"] == 0
+    # Every position the target committed reached the draft once either way.
+    assert direct[2]["positions"] == relayed[1]
+    # The draft in rank 0's process (draft_placement target): its states never left the process.
+    assert in_rank0[1] == 0 and in_rank0[2]["positions"] == direct[2]["positions"]
+    blocks = {path: run[3] for path, run in runs.items()}
+    assert len(blocks["direct"]) == len(blocks["replica"]) == len(blocks["in rank 0"]) > 20
+    for a, b, c in zip(blocks["direct"], blocks["replica"], blocks["in rank 0"]):
+        assert a[:3] == b[:3] == c[:3]
+        torch.testing.assert_close(torch.tensor(a[3]), torch.tensor(b[3]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(a[3]), torch.tensor(c[3]), atol=1e-5, rtol=1e-5)
+    assert sum(r.spec.accepted_tokens for r in direct[0] if r.spec) > 0

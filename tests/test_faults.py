@@ -28,6 +28,7 @@ from dspark_ray.engine import Engine, EngineConfig, SamplingParams
 from dspark_ray.engine.local import build_local_engine
 from dspark_ray.serve.actors import ReplicaServices, WorkerTimeout
 from dspark_ray.tokenizer import Tokenizer
+from conftest import SHIPPED_DSPARK, shipped
 from serve_fixtures import OBJECT_STORE_BYTES, serve_models  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -56,11 +57,11 @@ def reference(serve_models) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def replica_services(serve_models, request, **services_args):
+def replica_services(serve_models, request, draft=None, **services_args):
     """One replica's real Ray services (TP 2 shards, draft worker, slot manager) and its engine."""
     name = request.node.name.replace("[", "-").replace("]", "")
-    config = EngineConfig(model=str(serve_models.target), draft=str(serve_models.draft), num_speculative_tokens=4,
-                          capacity=8, max_context=128, max_num_seqs=8)
+    config = EngineConfig(model=str(serve_models.target), draft=str(draft or serve_models.draft),
+                          num_speculative_tokens=4, capacity=8, max_context=128, max_num_seqs=8)
     services = ReplicaServices(config, app_name=name, replica=name, tensor_parallel_size=2,
                                placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1, slot_timeout_s=30,
                                **services_args)
@@ -120,6 +121,43 @@ def test_draft_worker_dies_output_unchanged_and_speculation_resumes(replica, ref
     assert engine.counters.draft_failures == before, "speculation never resumed"
     snap = snapshot(services)
     assert snap.in_use == 0 and snap.counters.allocations == snap.counters.releases
+
+
+def test_dspark_draft_worker_dies_and_the_context_link_reopens(local_ray, serve_models, request, reference):
+    """The DSpark block draft, whose context states target rank 0 sends to the draft worker itself
+    (serve/context_push.py): the worker killed mid-generation, output is unchanged; rank 0 relays
+    the states through the replica meanwhile, reopens its link to the restarted worker, and then
+    sends them directly again, and the new worker's drafts are accepted."""
+    if not serve_models.shipped:
+        pytest.skip("needs the shipped target (the DSpark draft is trained for it)")
+    draft = shipped(SHIPPED_DSPARK, "model.safetensors")
+    with replica_services(serve_models, request, draft=draft) as (services, engine):
+        ids = [engine.add_request(p, GREEDY, f"d{i}") for i, p in enumerate(PROMPTS)]
+
+        def kill_draft(step: int) -> None:
+            if step == 2:
+                ray.kill(services.draft_worker, no_restart=False)
+
+        assert run_all(engine, ids, kill_draft) == reference
+        assert engine.counters.draft_failures >= 1
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            before, relayed = engine.counters.draft_failures, services.target.context_relayed
+            later = {engine.add_request(p, GREEDY): [] for p in PROMPTS}
+            accepted = 0
+            while engine.has_unfinished():
+                for out in engine.step():
+                    later[out.req_id] += out.new_token_ids
+                    accepted += out.spec.accepted_tokens if out.finished and out.spec else 0
+            assert list(later.values()) == reference
+            if engine.counters.draft_failures == before and services.target.context_relayed == relayed:
+                break
+            time.sleep(1)
+        assert engine.counters.draft_failures == before, "speculation never resumed"
+        assert services.target.context_relayed == relayed, "rank 0 never reopened its link to the draft worker"
+        assert accepted > 0
+        counts = ray.get(services.draft_worker.context_counts.remote())
+        assert counts["positions"] > 0 and counts["wait_expired"] == 0
 
 
 def test_target_shard_dies_no_request_is_lost(replica, reference):

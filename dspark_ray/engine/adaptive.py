@@ -89,15 +89,14 @@ class Acceptance:
         return self.accepted[i] / self.tried[i]
 
     def _refresh(self) -> None:
-        chain, total, cap = 1.0, 1.0, 0
+        rates = [self.rate(i) for i in range(self.max_k)]
+        chain, total = 1.0, 1.0
         self.expected = [1.0]
-        for i in range(self.max_k):
-            chain *= self.rate(i)
+        for r in rates:
+            chain *= r
             total += chain
             self.expected.append(total)
-            if chain >= CAP_PROB:
-                cap = i + 1
-        self.cap = max(cap, min(1, self.max_k))
+        self.cap = confident_drafts(rates)  # the same rule as a DSpark block's own estimate
 
 
 def confident_drafts(confidence: list[float]) -> int:

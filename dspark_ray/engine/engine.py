@@ -31,7 +31,10 @@ row committed (``VerifyResult.context``), the request keeps them
 (``Request.context``) and its next proposal carries them to the draft
 (``ProposeRow.context``), which lets go of them only once that proposal came
 back. They are kept by request, never by batch row; a preempted request's
-recompute sends them again from position 0, replacing what was kept.
+recompute sends them again from position 0, replacing what was kept. Served,
+target rank 0 sends them to the draft worker itself (serve/context_push.py):
+the result then carries only which message held them
+(``VerifyResult.context_push``), and the row's next proposal names it.
 
 Speculation is only an accelerator: if the draft service fails, the step runs
 without drafts and output is unchanged. If the target fails, no request is
@@ -688,7 +691,7 @@ class Engine:
             ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
                        sampling[r.req_id],
                        None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)),
-                       r.context, alone)
+                       r.context, alone, r.context_push)
             for r in rows
         ]
         sent = [r.context for r in rows]
@@ -742,6 +745,8 @@ class Engine:
                 new = result.context[i]
                 r.context = new.last(self.context_window) if r.context is None else \
                     r.context.then(new, self.context_window)
+            if result.context_push is not None and r.num_spec_tokens:
+                r.context_push = result.context_push  # the draft worker reads that message first
             if result.cached_tokens is not None and result.cached_tokens[i]:
                 r.cached_tokens += result.cached_tokens[i]
                 self.counters.prefix_cache_hit_tokens += result.cached_tokens[i]

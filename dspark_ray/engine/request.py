@@ -120,6 +120,9 @@ class Request:
     # A DSpark draft: the target's context states (an interfaces.ContextStates) of the committed
     # positions the draft has not been sent yet; handed to the next proposal, dropped once it succeeded.
     context: Any = None
+    # ... or the (link, seq) of the message in which target rank 0 sent them to the draft worker
+    # itself (VerifyResult.context_push), named in the next proposal so that the worker reads it first.
+    context_push: Any = None
 
     @functools.cached_property
     def distinct_prompt_ids(self) -> tuple[int, ...]:

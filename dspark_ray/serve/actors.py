@@ -133,6 +133,9 @@ class RayTarget:
         self.deadline = deadline or StepDeadline(call_timeout_s, floor_s=call_timeout_s)
         self.timeouts = timeouts or WorkerTimeouts()
         self._last_reply = 0.0  # when the last step's replies were read (a step sent before it waited its turn)
+        # Positions of DSpark context states that came back through this replica (rank 0 had no link
+        # to the draft up, or was told to relay: serve/context_push.py).
+        self.context_relayed = 0
 
     def kv_capacity(self) -> int:
         return self._kv_capacity
@@ -162,10 +165,13 @@ class RayTarget:
         self.deadline.observe(max(seconds for _, seconds in replies))
         now = self._last_reply = time.perf_counter()
         results = [result for (result, _), _ in replies]
-        # Rank 0 alone returns a DSpark draft's context states (TargetShard.step); the rest must agree.
-        first = dataclasses.replace(results[0], context=None)
+        # Rank 0 alone returns a DSpark draft's context states, or where it sent them (TargetShard.step);
+        # the rest must agree.
+        first = dataclasses.replace(results[0], context=None, context_push=None)
         if any(r != first for r in results[1:]):
             raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
+        if results[0].context is not None:
+            self.context_relayed += sum(len(c) for c in results[0].context if c is not None)
         if self.timeline is not None:
             compute = max(seconds for _, seconds in replies)
             self.timeline.add("target.compute", compute)
@@ -360,9 +366,12 @@ class ReplicaServices:
         step_timeout_floor_s: float = 5.0,
         step_timeout_factor: float = 10.0,
         draft_placement: str = "worker",
+        context_path: str = "direct",
     ) -> None:
         if draft_placement not in ("worker", "target"):
             raise ValueError(f"draft_placement must be 'worker' or 'target', got {draft_placement!r}")
+        if context_path not in ("direct", "replica"):
+            raise ValueError(f"context_path must be 'direct' or 'replica', got {context_path!r}")
         slot_capacity = config.capacity if slot_capacity is None else slot_capacity
         if slot_capacity < config.capacity:
             raise ValueError(f"a replica holding {config.capacity} slots needs an application capacity of at "
@@ -393,6 +402,12 @@ class ReplicaServices:
         speculates = bool(config.draft) and config.spec_tokens > 0
         # The draft in target rank 0's process: that rank serves its proposals on a channel of its own.
         self.draft_in_target = speculates and draft_placement == "target"
+        # A DSpark draft's context window; its states go from rank 0 to the draft directly
+        # (serve/context_push.py) unless context_path is "replica".
+        self.context_window = None
+        if speculates and uses_dspark(config):
+            self.context_window = context_window(DSparkConfig.from_path(config.draft), config.max_context)
+        self.context_direct = self.context_window is not None and context_path == "direct"
         self.target = self._start_target()
         self.draft_worker = self.draft = None
         if speculates:
@@ -401,11 +416,9 @@ class ReplicaServices:
                     **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
                     max_restarts=-1, max_task_retries=0,
                 ).remote(config, torch_threads, spin_s)
-            window = None
-            if uses_dspark(config):
-                window = context_window(DSparkConfig.from_path(config.draft), config.max_context)
+                self._link_context()
             self.draft = RayDraft(self.draft_worker or self.shards[0], call_timeout_s, self.timeline,
-                                  self.draft_deadline, self.timeouts, window)
+                                  self.draft_deadline, self.timeouts, self.context_window)
         self.slot_manager = _slot_manager_with_capacity(slot_capacity, app_name)
         self.slots = ReplicaSlots(RaySlots(self.slot_manager, slot_timeout_s), rows=config.capacity,
                                   app_capacity=slot_capacity)
@@ -427,7 +440,9 @@ class ReplicaServices:
             for r in range(world)
         ]
         addr, port = ray.get(self.shards[0].address.remote())
-        capacities = ray.get([s.setup.remote(addr, port, self.draft_in_target and r == 0)
+        local_context = self.context_window if self.context_direct and self.draft_in_target else None
+        capacities = ray.get([s.setup.remote(addr, port, self.draft_in_target and r == 0,
+                                             local_context if r == 0 else None)
                               for r, s in enumerate(self.shards)])
         channels = [open_channel(s, f"target rank {r}", self.call_timeout_s) for r, s in enumerate(self.shards)]
         return RayTarget(min(capacities), channels, self.call_timeout_s, self.timeline, self.target_deadline,
@@ -440,11 +455,21 @@ class ReplicaServices:
             ray.kill(shard, no_restart=True)
         self._wait_until_gone(self.shards)
         self.target = self._start_target()
+        self._link_context()
         if self.draft_in_target and self.draft is not None:
             # The new rank 0 holds a fresh proposer (an empty window cache: the engine's next proposals
             # resend each request's tokens, as after a draft worker's restart).
             self.draft.rebind(self.shards[0])
         return self.target
+
+    def _link_context(self) -> None:
+        """Have target rank 0 send a DSpark draft's context states to the draft worker itself."""
+        if self.context_direct and self.draft_worker is not None:
+            linked = ray.get(self.shards[0].send_context_to.remote(self.draft_worker, self.context_window,
+                                                                   self.call_timeout_s))
+            if not linked:
+                log.warning("target rank 0 has no context link to the draft worker yet; its context states go "
+                            "through the replica until it has")
 
     @staticmethod
     def _wait_until_gone(actors: list, timeout_s: float = 30.0) -> None:
@@ -522,5 +547,5 @@ def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
         slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
         slot_capacity=config.capacity, spin_s=config.worker_spin_s,
         step_timeout_floor_s=config.step_timeout_floor_s, step_timeout_factor=config.step_timeout_factor,
-        draft_placement=config.draft_placement,
+        draft_placement=config.draft_placement, context_path=config.context_path,
     )

@@ -161,6 +161,12 @@ class AppConfig(BaseModel):
         "target's bonus token is the draft's own next choice; the next proposal is answered from it when it "
         "asks for exactly that (engine/draft_proposer.py). Uses the draft's idle time; output is unchanged.",
     )
+    context_path: Literal["direct", "replica"] = Field(
+        "direct", description="With a DSpark draft: how the target's context states reach it. direct: target "
+        "rank 0 sends them to the draft worker itself, one message a step (serve/context_push.py); replica: in "
+        "the step's reply and the next proposal, through this replica's engine (twice the bytes, on its "
+        "thread). Output is the same either way.",
+    )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the target KV of equal prompt prefixes (blocks of 16 tokens: system prompts, "
         "chat history) instead of computing them again; output is unchanged. Requests opt out with "

@@ -34,6 +34,7 @@ from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.model.tp import CollectiveTimer
 from dspark_ray.serve.channel import ChannelServer, serve_call
+from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink
 from dspark_ray.serve.group import join_group, rendezvous_address
 from dspark_ray.serve.metrics import ShardMetrics
 from dspark_ray.tokenizer import Tokenizer
@@ -149,6 +150,10 @@ class TargetShard(_ChannelWorker):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
         self.proposer = None  # rank 0 with draft_placement "target"
+        # Rank 0 with a DSpark draft: where its context states go (serve/context_push.py); None: back
+        # in the step's reply, through the replica.
+        self.context_link: ContextLink | LocalLink | None = None
+        self.inbox: ContextInbox | None = None  # the proposer's, when this rank holds it
         self.collectives = CollectiveTimer()
         self.metrics = ShardMetrics(Path(config.model).name, replica or "local", rank)
 
@@ -156,13 +161,25 @@ class TargetShard(_ChannelWorker):
         """The group's rendezvous address (called on rank 0)."""
         return rendezvous_address()
 
-    def setup(self, master_addr: str, master_port: int, with_draft: bool = False) -> int:
+    def setup(self, master_addr: str, master_port: int, with_draft: bool = False,
+              context_window: int | None = None) -> int:
         """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity.
         ``with_draft`` (rank 0 only): also hold the draft proposer, served as ``propose`` on a channel
-        of its own (``draft_placement: target``, ``dspark_ray.serve.actors``)."""
-        return self.torch.call(self._setup, master_addr, master_port, with_draft)
+        of its own (``draft_placement: target``, ``dspark_ray.serve.actors``); ``context_window``
+        (a DSpark draft's, sent directly): its context states go straight to it."""
+        return self.torch.call(self._setup, master_addr, master_port, with_draft, context_window)
 
-    def _setup(self, master_addr: str, master_port: int, with_draft: bool) -> int:
+    def send_context_to(self, draft_worker, context_window: int | None, timeout_s: float) -> bool:
+        """Rank 0: send a DSpark draft's context states to ``draft_worker`` directly
+        (serve/context_push.py) rather than in the step's reply. True if the link is up now (else
+        it is opened by a later step, and meanwhile the states go back in the replies)."""
+        if self.rank != 0:
+            raise ValueError("only target rank 0 sends the context states")
+        link = ContextLink(draft_worker, context_window)
+        self.torch.call(setattr, self, "context_link", link)
+        return self.torch.call(link.open, timeout_s)
+
+    def _setup(self, master_addr: str, master_port: int, with_draft: bool, context_window: int | None) -> int:
         from dspark_ray.engine.local import make_draft_proposer, make_target_runner
         from dspark_ray.model.tp import TensorParallel
 
@@ -178,21 +195,30 @@ class TargetShard(_ChannelWorker):
                 raise ValueError("only target rank 0 holds the draft proposer")
             # A DSpark draft shares the target's embedding and LM head: this rank's, when it holds them whole.
             self.proposer = make_draft_proposer(cfg, vocab_size, self.runner.model if self.world_size == 1 else None)
+            if context_window is not None:
+                self.inbox = ContextInbox(context_window)
+                self.context_link = LocalLink(self.inbox)
         return self.runner.kv_capacity()
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
         """The draft's proposal, when this rank holds the proposer (``setup(with_draft=True)``)."""
         if self.proposer is None:
             raise RuntimeError("this target shard holds no draft proposer")
+        if self.inbox is not None:
+            rows = self.inbox.take(rows)
         return self.proposer.propose(rows)
 
     def step(self, batch: TargetStep) -> tuple[VerifyResult, float]:
         """Verify one step; returns the result and the seconds this rank spent in all-reduces."""
         start = time.perf_counter()
         result = self.runner.step(batch)
-        if self.rank > 0 and result.context is not None:
-            # A DSpark draft's context states (the residual stream, the same on every rank): rank 0's go back.
-            result = dataclasses.replace(result, context=None)
+        if result.context is not None:
+            # A DSpark draft's context states (the residual stream, the same on every rank): rank 0's
+            # go to the draft, directly where it can (serve/context_push.py), else in the reply.
+            pushed = None if self.rank > 0 or self.context_link is None else \
+                self.context_link.send(batch.rows, result.context)
+            if self.rank > 0 or pushed is not None:
+                result = dataclasses.replace(result, context=None, context_push=pushed)
         collective = self.collectives.take()
         self.metrics.observe(time.perf_counter() - start, collective)
         return result, collective
@@ -214,8 +240,23 @@ class DraftWorker(_ChannelWorker):
         self.proposer = self.torch.call(make_draft_proposer, config, Tokenizer.from_path(config.model).vocab_size)
         if config.draft_ahead and hasattr(self.proposer, "draft_ahead"):  # an independent draft
             self.torch.idle = self.proposer.draft_ahead
+        # A DSpark draft: the context states target rank 0 sends here directly (serve/context_push.py).
+        window = getattr(self.proposer, "context_window", None)
+        self.inbox = ContextInbox(window) if window is not None else None
+
+    def open_context_link(self, authkey: bytes) -> tuple[tuple[str, int], str]:
+        """Listen for target rank 0's context link (``ContextLink``): its address and id."""
+        if self.inbox is None:
+            raise RuntimeError("this draft worker holds no DSpark draft: it takes no context states")
+        return self.inbox.listen(ray.util.get_node_ip_address(), authkey)
+
+    def context_counts(self) -> dict[str, int]:
+        """What the context inbox received: messages, positions, waits, wait_expired."""
+        return dict(self.inbox.counts) if self.inbox is not None else {}
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
+        if self.inbox is not None:
+            rows = self.inbox.take(rows)
         return self.proposer.propose(rows)
 
     def ahead_counts(self) -> dict[str, int]:
