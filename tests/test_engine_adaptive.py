@@ -126,8 +126,13 @@ def test_controller_tries_every_k_then_takes_the_fastest_in_tokens_per_second():
     low = [1.0, 1.3, 1.4, 1.45, 1.5]  # poor acceptance: no draft is best
     assert c.choose(8, high) == 4
     assert c.choose(8, low) == 0
-    # Another batch size is another bucket: it is measured on its own first.
-    assert bucket(8) != bucket(32) and c.choose(32, low) == 4
+    # Another batch size is another bucket: it is measured on its own first, from the side of
+    # batch 8's best k where its own can lie (verifying costs more at more rows: not more drafts
+    # than at 8, and at 1 not fewer).
+    assert bucket(8) != bucket(32) and bucket(8) != bucket(1)
+    assert [c.choose(32, low) for _ in range(3)] == [0, 0, 0]  # batch 8's best here is 0: only k = 0
+    assert [c.choose(1, high) for _ in range(3)] == [4, 4, 4]  # ... and 4 with good acceptance: only 4
+    assert c.choose(1, high) == 4 and c.step_times(bucket(1))[:4] == [None] * 4
     # Later it tries other k again, so a change of load is seen.
     seen = set()
     for _ in range(2 * SpecController.REPROBE_MAX):
