@@ -142,6 +142,20 @@ def test_controller_tries_every_k_then_takes_the_fastest_in_tokens_per_second():
     assert len(seen) >= 3
 
 
+def test_a_ks_first_slow_step_does_not_set_its_cost():
+    """The first step at a k is slow (new shapes for the kernels): with the 3 probes of a new bucket
+    it must not count, or k looks dearer than it is (measured: 35.4 ms, then 24.1 and 23.9)."""
+    from dspark_ray.engine.adaptive import _Cell
+
+    cell = _Cell()
+    for ms in (35.4, 24.1, 23.9):
+        cell.add(ms)
+    assert cell.seconds == pytest.approx(24.0)
+    one = _Cell()
+    one.add(35.4)
+    assert one.seconds == pytest.approx(35.4)  # a single step is all there is
+
+
 def test_controller_fits_one_line_through_the_drafting_ks():
     c = SpecController(4)
     for k, t in ((1, 12.0), (1, 12.0), (3, 16.0), (3, 16.0)):

@@ -1,0 +1,102 @@
+"""Speculation at a steady load, in one process: every static k and adaptive k against none.
+
+    .venv/bin/python bench/steady.py                       # independent draft, batch 1 8 32 64
+    .venv/bin/python bench/steady.py --draft models/shakespeare-dspark --batches 8 32
+    .venv/bin/python bench/steady.py --rounds 3
+
+bench/spec.py and bench/adaptive.py run closed batches: B requests start
+together and the batch ends with its slowest one. With speculation requests
+advance at different speeds (each at its own acceptance), so a closed batch
+ends through a tail of ever fewer rows, its worst-accepted requests last,
+while without speculation every row ends at the same step: at batch 32 the
+DSpark draft took 34 steps with k=4 where its requests' own mean was 3.4
+tokens a step (18-20 steps). A server's batch does not end: a finished
+request's place is taken by the next one (vLLM's benchmark client keeps its
+concurrency the same way). Here each engine keeps ``batch`` requests in flight,
+adding the next held-out prompt whenever one ends, and the tokens emitted
+between the ``batch``-th and the ``(1 + cycles) * batch``-th completion count:
+the steady state, no ramp-up and no tail. Systems are interleaved round by
+round (the machine's speed drifts); each cell is the median round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import DRAFT, TARGET, load_prompts  # noqa: E402
+
+from dspark_ray import LLM, SamplingParams  # noqa: E402
+
+
+def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int) -> float:
+    """Tokens a second with ``batch`` requests always in flight (see the module docstring)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = load_prompts(batch * (cycles + 2))
+    for p in prompts[:batch]:
+        engine.add_request(p, params)
+    nxt, done, tokens, start = batch, 0, 0, None
+    while done < (1 + cycles) * batch:
+        for out in engine.step():
+            if start is not None:
+                tokens += len(out.new_token_ids)
+            if out.finished:
+                done += 1
+                if done == batch:
+                    start = time.perf_counter()
+                engine.add_request(prompts[nxt % len(prompts)], params)
+                nxt += 1
+    seconds = time.perf_counter() - start
+    for req_id in list(engine.requests):  # the requests still in flight: not counted, ended
+        engine.abort(req_id)
+    while engine.has_unfinished():
+        engine.step()
+    return tokens / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default=str(DRAFT))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("-k", type=int, default=4, help="the most draft tokens (static k runs 1..k)")
+    ap.add_argument("--cycles", type=int, default=3, help="batches of completions counted per run")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    common = dict(max_context=512, capacity=max(args.batches) + 1, max_num_seqs=max(args.batches))
+    systems = [("k=0", LLM(str(TARGET), None, **common))]
+    systems += [(f"k={k}", LLM(str(TARGET), args.draft, num_speculative_tokens=k, adaptive_speculation=False,
+                               **common)) for k in range(1, args.k + 1)]
+    systems.append(("adaptive", LLM(str(TARGET), args.draft, num_speculative_tokens=args.k, **common)))
+    names = [n for n, _ in systems]
+    lines = [f"Draft: {args.draft}; {args.threads} torch threads; {args.max_tokens} greedy tokens per request; "
+             f"median of {args.rounds} interleaved rounds, tok/s at a steady load.", "",
+             "| batch | " + " | ".join(names) + " | adaptive / no spec | adaptive / best static |",
+             "|---:|" + "---:|" * len(names) + "---:|---:|"]
+    for b in args.batches:
+        for _, llm in systems:  # warm-up: the batch's shapes, and adaptive's first measurements
+            steady_tokens_per_s(llm, b, 1, args.max_tokens)
+        runs = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = systems if r % 2 == 0 else systems[::-1]
+            for n, llm in order:
+                runs[n].append(steady_tokens_per_s(llm, b, args.cycles, args.max_tokens))
+        med = {n: sorted(v)[len(v) // 2] for n, v in runs.items()}
+        best = max(med[n] for n in names[1:-1])
+        lines.append(f"| {b} | " + " | ".join(f"{med[n]:.1f}" for n in names)
+                     + f" | {med['adaptive'] / med['k=0']:.2f}x | {med['adaptive'] / best:.2f}x |")
+        print(lines[-1], flush=True)
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
