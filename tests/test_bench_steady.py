@@ -1,0 +1,31 @@
+"""bench/steady.py's load: ``batch`` requests always in flight, counted between completions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
+from dspark_ray import LLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from steady import steady_tokens_per_s  # noqa: E402
+
+
+def test_the_load_stays_at_the_batch_and_ends_clean():
+    target, draft = shipped(SHIPPED_TARGET, "model.safetensors"), shipped(SHIPPED_DRAFT, "model.safetensors")
+    llm = LLM(str(target), str(draft), num_speculative_tokens=2, max_context=256, capacity=4, max_num_seqs=3)
+    engine = llm.engine
+    in_flight, added = [], engine.add_request
+
+    def counted(*args, **kwargs):
+        in_flight.append(sum(1 for r in engine.requests.values() if not r.finished))
+        return added(*args, **kwargs)
+
+    engine.add_request = counted
+    rate = steady_tokens_per_s(llm, batch=3, cycles=2, max_tokens=6)
+    assert rate > 0
+    # 3 at the start, then one each time one ended: never more than 3 in flight, and 3 + 3 * 3 added
+    # (the last completions counted are those of the third batch).
+    assert len(in_flight) == 3 + 3 * 3 and max(in_flight) <= 3 - 1
+    assert not engine.has_unfinished() and not engine.requests  # the rest were ended, slots freed
