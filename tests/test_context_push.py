@@ -11,13 +11,13 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Listener
 
 import torch
 
 from dspark_ray.engine.interfaces import ContextStates, ProposeRow, SamplingRow, VerifyRow
 from dspark_ray.serve.channel import new_key
-from dspark_ray.serve.context_push import ContextInbox, LocalLink
+from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink, send_timeout
 
 GREEDY = SamplingRow(temperature=0.0, top_p=1.0, top_k=0, seed=0)
 WIDTH = 6  # n_taps * hidden of these made-up states
@@ -110,3 +110,27 @@ def test_a_message_that_never_comes_ends_the_wait_after_wait_s():
     assert 0.25 < time.monotonic() - begin < 5.0
     assert out[0].context is None and inbox.counts["wait_expired"] == 1
     conn.close()
+
+
+def test_a_draft_that_stopped_reading_never_holds_up_rank_0():
+    """A draft worker's process stopped (SIGSTOP) reads nothing, and its socket buffer fills: rank
+    0's send fails within ContextLink.SEND_TIMEOUT_S and the link is dropped (the states then go
+    back through the replica), instead of the target's step blocking."""
+    key = new_key()
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept()))  # accepts, never reads
+    thread.start()
+    link = ContextLink(draft_worker=None, window=None)
+    link._conn, link._link = Client(listener.address, authkey=key), "stuck"
+    send_timeout(link._conn, 0.3)
+    thread.join()
+    vrows = [VerifyRow(slot, 1, 0, (1,), (), GREEDY) for slot in range(1, 9)]
+    big = [states(0, 2048) for _ in vrows]  # 8 x 48 KB a message
+    begin, sent = time.monotonic(), []
+    while (pushed := link.send(vrows, big)) is not None and time.monotonic() - begin < 30:
+        sent.append(pushed)
+    assert pushed is None and link._conn is None  # dropped: the caller relays
+    assert len(sent) >= 1 and time.monotonic() - begin < 10
+    accepted[0].close()
+    listener.close()

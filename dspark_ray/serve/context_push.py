@@ -46,6 +46,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -107,7 +109,7 @@ class ContextInbox:
                 while True:
                     try:
                         seq, items = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
+                    except (EOFError, OSError, pickle.UnpicklingError):  # closed, or cut mid-message
                         return
                     self.put(link, seq, items)
         finally:
@@ -163,6 +165,16 @@ def push_items(rows: Sequence[VerifyRow], context: Sequence[ContextStates | None
     return [(row.slot, row.epoch, states.last(window)) for row, states in zip(rows, context) if states is not None]
 
 
+def send_timeout(conn: Connection, seconds: float) -> None:
+    """SO_SNDTIMEO on a connection's socket: a write blocked that long fails (OSError)."""
+    with socket.socket(fileno=conn.fileno()) as sock:  # the same socket, not a copy
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+        finally:
+            sock.detach()  # the Connection still owns the descriptor
+
+
 class LocalLink:
     """Rank 0 and the proposer in one process (``draft_placement: target``): into the inbox directly."""
 
@@ -184,6 +196,10 @@ class ContextLink:
     (then the caller returns them through the replica). The link is opened, and after a failure
     reopened, without blocking a step: the worker's answer is picked up by a later ``send``.
     """
+
+    # A send that cannot complete this long (the worker's process stopped and its socket buffer
+    # full) fails, and the link is dropped: a stuck draft must never hold up the target's step.
+    SEND_TIMEOUT_S = 2.0
 
     def __init__(self, draft_worker, window: int | None) -> None:
         self.worker, self.window = draft_worker, window
@@ -233,6 +249,7 @@ class ContextLink:
             self._retry_at = time.monotonic() + 0.5
             return False
         no_delay(self._conn)
+        send_timeout(self._conn, self.SEND_TIMEOUT_S)
         self._seq = 0
         return True
 
