@@ -16,8 +16,8 @@ from multiprocessing.connection import Client, Listener
 import torch
 
 from dspark_ray.engine.interfaces import ContextStates, ProposeRow, SamplingRow, VerifyRow
-from dspark_ray.serve.channel import new_key
-from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink, send_timeout
+from dspark_ray.serve.channel import new_key, send_timeout
+from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink
 
 GREEDY = SamplingRow(temperature=0.0, top_p=1.0, top_k=0, seed=0)
 WIDTH = 6  # n_taps * hidden of these made-up states

@@ -53,6 +53,7 @@ import logging
 import pickle
 import secrets
 import socket
+import struct
 import threading
 import time
 import traceback
@@ -133,13 +134,24 @@ class ChannelServer:
         self._listener.close()
 
 
-def no_delay(conn: Connection) -> None:
-    """TCP_NODELAY on a connection's socket (module docstring: a message over 16 KiB is two writes)."""
+def set_socket_option(conn: Connection, level: int, option: int, value: int | bytes) -> None:
+    """``setsockopt`` on a connection's own socket."""
     with socket.socket(fileno=conn.fileno()) as sock:  # the same socket, not a copy
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(level, option, value)
         finally:
             sock.detach()  # the Connection still owns the descriptor
+
+
+def no_delay(conn: Connection) -> None:
+    """TCP_NODELAY on a connection's socket (module docstring: a message over 16 KiB is two writes)."""
+    set_socket_option(conn, socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def send_timeout(conn: Connection, seconds: float) -> None:
+    """SO_SNDTIMEO on a connection's socket: a write blocked that long fails (OSError)."""
+    set_socket_option(conn, socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                      struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
 
 
 def serve_call(conn: Connection, handler: object, lock: threading.Lock | None = None) -> bool:

@@ -46,8 +46,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-import socket
-import struct
 import threading
 import time
 import uuid
@@ -57,7 +55,7 @@ from multiprocessing.connection import Client, Connection
 import ray
 
 from dspark_ray.engine.interfaces import ContextStates, ProposeRow, VerifyRow
-from dspark_ray.serve.channel import ChannelServer, new_key, no_delay
+from dspark_ray.serve.channel import ChannelServer, new_key, no_delay, send_timeout
 
 log = logging.getLogger(__name__)
 
@@ -163,16 +161,6 @@ def push_items(rows: Sequence[VerifyRow], context: Sequence[ContextStates | None
                window: int | None) -> list[Item]:
     """A step's states as a message's items: by slot and epoch, at most ``window`` positions each."""
     return [(row.slot, row.epoch, states.last(window)) for row, states in zip(rows, context) if states is not None]
-
-
-def send_timeout(conn: Connection, seconds: float) -> None:
-    """SO_SNDTIMEO on a connection's socket: a write blocked that long fails (OSError)."""
-    with socket.socket(fileno=conn.fileno()) as sock:  # the same socket, not a copy
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
-        finally:
-            sock.detach()  # the Connection still owns the descriptor
 
 
 class LocalLink:
