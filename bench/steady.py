@@ -17,11 +17,27 @@ adding the next held-out prompt whenever one ends, and the tokens emitted
 between the ``batch``-th and the ``(1 + cycles) * batch``-th completion count:
 the steady state, no ramp-up and no tail. Systems are interleaved round by
 round (the machine's speed drifts); each cell is the median round.
+
+NOTE: lockstep. With every request asking for the same number of tokens,
+no speculation keeps the batch in lockstep: the first ``batch`` requests
+start together, so they end together and their successors start together,
+and each wave's prompts are prefilled in one step of ``batch`` prompts. With
+speculation requests drift apart and their prompts arrive a few at a time,
+beside decoding rows. On the 2-core box at batch 64 (one run) a prompt cost
+the target about 1.1 ms in a lockstep wave and 3.6 ms arriving beside a
+k=3 verification, and the draft another 1.9 ms: a cost no speculating
+engine can avoid, and one that no speculation avoids only because the
+benchmark's lengths are equal. A server's traffic does not arrive in waves.
+``--range-ratio r`` draws each request's length uniformly from
+``max_tokens * (1 - r) .. max_tokens * (1 + r)`` (vLLM's client has the same
+option for its random dataset), the same lengths in the same order for every
+system, so no system runs in lockstep.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -35,13 +51,27 @@ from common import DRAFT, TARGET, load_prompts  # noqa: E402
 from dspark_ray import LLM, SamplingParams  # noqa: E402
 
 
-def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int) -> float:
-    """Tokens a second with ``batch`` requests always in flight (see the module docstring)."""
+def output_lengths(max_tokens: int, range_ratio: float, n: int, seed: int = 0) -> list[int]:
+    """``n`` request lengths: all ``max_tokens``, or drawn uniformly from ``max_tokens * (1 -+ range_ratio)``."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    lo, hi = max(1, round(max_tokens * (1 - range_ratio))), round(max_tokens * (1 + range_ratio))
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int, range_ratio: float = 0.0) -> float:
+    """Tokens a second with ``batch`` requests always in flight (see the module docstring); the i-th
+    request asks for ``output_lengths(max_tokens, range_ratio, ...)[i]`` tokens."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompts = load_prompts(batch * (cycles + 2))
-    for p in prompts[:batch]:
-        engine.add_request(p, params)
+    lengths = output_lengths(max_tokens, range_ratio, len(prompts))
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=lengths[i % len(lengths)], ignore_eos=True)
+
+    for i, p in enumerate(prompts[:batch]):
+        engine.add_request(p, params(i))
     nxt, done, tokens, start = batch, 0, 0, None
     while done < (1 + cycles) * batch:
         for out in engine.step():
@@ -51,7 +81,7 @@ def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int) -> f
                 done += 1
                 if done == batch:
                     start = time.perf_counter()
-                engine.add_request(prompts[nxt % len(prompts)], params)
+                engine.add_request(prompts[nxt % len(prompts)], params(nxt))
                 nxt += 1
     seconds = time.perf_counter() - start
     for req_id in list(engine.requests):  # the requests still in flight: not counted, ended
@@ -68,6 +98,9 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4, help="the most draft tokens (static k runs 1..k)")
     ap.add_argument("--cycles", type=int, default=3, help="batches of completions counted per run")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="request lengths uniform in max-tokens * (1 -+ this); 0: all equal (lockstep without "
+                         "speculation: module docstring)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -78,18 +111,19 @@ def main() -> None:
                                **common)) for k in range(1, args.k + 1)]
     systems.append(("adaptive", LLM(str(TARGET), args.draft, num_speculative_tokens=args.k, **common)))
     names = [n for n, _ in systems]
-    lines = [f"Draft: {args.draft}; {args.threads} torch threads; {args.max_tokens} greedy tokens per request; "
+    lines = [f"Draft: {args.draft}; {args.threads} torch threads; {args.max_tokens} greedy tokens per request"
+             f"{f' (each uniform in +-{args.range_ratio:.0%})' if args.range_ratio else ''}; "
              f"median of {args.rounds} interleaved rounds, tok/s at a steady load.", "",
              "| batch | " + " | ".join(names) + " | adaptive / no spec | adaptive / best static |",
              "|---:|" + "---:|" * len(names) + "---:|---:|"]
     for b in args.batches:
         for _, llm in systems:  # warm-up: the batch's shapes, and adaptive's first measurements
-            steady_tokens_per_s(llm, b, 1, args.max_tokens)
+            steady_tokens_per_s(llm, b, 1, args.max_tokens, args.range_ratio)
         runs = {n: [] for n in names}
         for r in range(args.rounds):
             order = systems if r % 2 == 0 else systems[::-1]
             for n, llm in order:
-                runs[n].append(steady_tokens_per_s(llm, b, args.cycles, args.max_tokens))
+                runs[n].append(steady_tokens_per_s(llm, b, args.cycles, args.max_tokens, args.range_ratio))
         med = {n: sorted(v)[len(v) // 2] for n, v in runs.items()}
         best = max(med[n] for n in names[1:-1])
         lines.append(f"| {b} | " + " | ".join(f"{med[n]:.1f}" for n in names)
