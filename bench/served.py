@@ -87,7 +87,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -147,6 +147,10 @@ class Row:
     timeline_ms: dict[str, float] = field(default_factory=dict)  # dspark served: ms per engine step per phase
     steps: int | None = None  # dspark served: engine steps in the run
     others_cpu: float | None = None  # cores the other servers up took during this run (None: none was up)
+    # Cores the measured server's own processes took during this run, by process name (run_cpu), and the
+    # cores of the whole machine that sat idle meanwhile (/proc/stat); empty / None where not measured.
+    own_cpu: dict[str, float] = field(default_factory=dict)
+    idle_cores: float | None = None
     round: int | None = 1  # the schedule's round, from 1; None: a median over rounds (median_rows)
     runs: int = 1  # the runs this row stands for: 1, or a median row's rounds
 
@@ -302,6 +306,22 @@ def rows_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(rows: list[Row], top: int = 4) -> str:
+    """Each measured run's CPU: the cores the machine left idle, the served system's own processes' total and
+    its busiest kinds of process; '' if no run was measured so."""
+    measured = [r for r in rows if r.idle_cores is not None or r.own_cpu]
+    if not measured:
+        return ""
+    lines = ["| system | concurrency | round | machine idle, cores | server's processes, cores | busiest |",
+             "|---|---:|---|---:|---:|---|"]
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    for r in sorted(measured, key=lambda r: (r.concurrency, order.get(r.system, 99), r.round or 0)):
+        busiest = ", ".join(f"{n} {c:.2f}" for n, c in list(r.own_cpu.items())[:top])
+        lines.append(f"| {r.label} | {r.concurrency} | {r.round} | {fmt(r.idle_cores, 2)} "
+                     f"| {sum(r.own_cpu.values()):.2f} | {busiest} |")
+    return "\n".join(lines)
+
+
 def ratio_table(rows: list[Row]) -> str:
     lines = ["| concurrency | dspark_ray served tok/s | vLLM served tok/s | dspark / vLLM (>= 1.0x) "
              "| in-process tok/s | served / in-process (>= 0.85x) | TTFT mean dspark vs vLLM |",
@@ -373,6 +393,10 @@ class Report:
                          + per_round)
         parts.append("Medians over the rounds (completed and failed summed):\n\n" + rows_table(medians))
         parts.append("Every run:\n\n" + rows_table(self.rows))
+        if cpu := cpu_table(self.rows):
+            parts.append("CPU during each run (/proc: the machine's idle cores; the served system's own processes, "
+                         "by kind, the client not among them; its Ray cluster's processes count as dspark_ray's):"
+                         "\n\n" + cpu)
         if timeline := timeline_table(medians):
             parts.append("dspark_ray served, per engine step, over all the runs of each level (GET /stats timeline, "
                          "dspark_ray/serve/timeline.py):\n\n" + timeline)
@@ -453,6 +477,33 @@ def cpu_cores(pids: set[int], before: dict[int, ProcessTicks], after: dict[int, 
     return ticks / os.sysconf("SC_CLK_TCK") / seconds
 
 
+def cpu_by_name(pids: set[int], before: dict[int, ProcessTicks], after: dict[int, ProcessTicks],
+                seconds: float) -> dict[str, float]:
+    """The cores each kind of process among ``pids`` used (``process_name``: Ray's workers by actor), busiest
+    first; kinds under 0.005 cores left out."""
+    by: dict[str, float] = defaultdict(float)
+    for p in pids:
+        if p in before and p in after:
+            by[process_name(p)] += cpu_cores({p}, before, after, seconds)
+    return {n: round(c, 3) for n, c in sorted(by.items(), key=lambda kv: -kv[1]) if c >= 0.005}
+
+
+def cpu_times(text: str | None = None) -> tuple[int, int]:
+    """(idle, total) clock ticks of the whole machine so far, from the ``cpu`` line of /proc/stat (``text``, or
+    the file): user nice system idle iowait irq softirq steal (proc(5)); idle counts idle and iowait."""
+    line = (text if text is not None else Path("/proc/stat").read_text()).splitlines()[0].split()
+    if line[0] != "cpu":
+        raise ValueError(f"not /proc/stat's first line: {line[:1]}")
+    ticks = [int(v) for v in line[1:9]]
+    return ticks[3] + ticks[4], sum(ticks)
+
+
+def machine_idle_cores(before: tuple[int, int], after: tuple[int, int], cpus: int | None = None) -> float:
+    """The cores the machine left idle between two ``cpu_times`` readings."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total * (cpus or os.cpu_count() or 1) if total > 0 else 0.0
+
+
 def process_name(pid: int) -> str:
     """What ``ps`` shows for ``pid``, cut to its first word (Ray's workers show ``ray::<Actor>`` there)."""
     try:
@@ -460,6 +511,13 @@ def process_name(pid: int) -> str:
     except OSError:
         return f"pid {pid}"
     return Path(words[0]).name if words else f"pid {pid}"
+
+
+def log_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -556,12 +614,23 @@ def client_command(cli: list[str], base_url: str, model: str, tokenizer: Path, w
             "--result-dir", str(result_dir), "--result-filename", result_name]
 
 
-def run_client(cmd: list[str], result: Path, log: Path, timeout_s: float = 3600) -> dict:
-    """Run the benchmark client to the end; its result JSON."""
+CLIENT_STARTS = "Starting main benchmark run"  # what vllm bench serve logs when its measured requests begin
+
+
+def run_client(cmd: list[str], result: Path, log: Path, timeout_s: float = 3600,
+               on_start: Callable[[], None] | None = None) -> dict:
+    """Run the benchmark client to the end; its result JSON. ``on_start`` is called once, as soon as the
+    client's log says its measured requests begin (``CLIENT_STARTS``; after its start-up, ~10 s of
+    imports, and one test request), or when it ends if its log never says so."""
     result.unlink(missing_ok=True)
     proc = start(cmd, log, child_env(HF_HUB_OFFLINE="1"))
     try:
-        rc = proc.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if on_start is not None:
+            while proc.poll() is None and time.monotonic() < deadline and CLIENT_STARTS not in log_text(log):
+                time.sleep(0.05)
+            on_start()
+        rc = proc.wait(max(0.0, deadline - time.monotonic()))
     finally:
         stop_process(proc)  # a no-op once it has exited; on Ctrl-C or a timeout it stops the client
     if rc != 0 or not result.is_file():
@@ -797,12 +866,12 @@ Server = DsparkServed | VllmServed  # what the driving below needs: app, base_ur
 
 
 def client(server: Server, args: argparse.Namespace, report: Report, concurrency: int, num_prompts: int,
-           name: str) -> dict:
+           name: str, on_start: Callable[[], None] | None = None) -> dict:
     """One ``vllm bench serve`` run against ``server``; its result JSON (args.raw/NAME.json)."""
     cmd = client_command(args.cli, server.base_url, server.app["name"], Path(server.app["model"]), args.workload,
                          concurrency, num_prompts, args.raw, f"{name}.json")
     report.commands.append(show(cmd))
-    return run_client(cmd, args.raw / f"{name}.json", args.raw / f"{name}.log")
+    return run_client(cmd, args.raw / f"{name}.json", args.raw / f"{name}.log", on_start=on_start)
 
 
 def warm_up(system: str, server: Server, args: argparse.Namespace, report: Report) -> None:
@@ -821,18 +890,26 @@ def measure(run: Run, servers: dict[str, Server], args: argparse.Namespace, repo
     CPU the other ``servers`` (up, idle) took meanwhile; the row goes into the report."""
     w, c, server = args.workload, run.concurrency, servers[run.system]
     name = f"{run.system}-c{c}-r{run.round}"
-    processes, started = process_table(), time.monotonic()
+    window: dict = {}  # the CPU readings when the client's measured requests begin (its start-up left out)
+
+    def requests_begin() -> None:
+        window.update(processes=process_table(), machine=cpu_times(), started=time.monotonic())
+
     before = server.timeline()
-    result = client(server, args, report, c, w.prompts(c), name)
+    result = client(server, args, report, c, w.prompts(c), name, on_start=requests_begin)
     after = server.timeline()
     if before is not None and after is not None:
         (args.raw / f"{name}.timeline.json").write_text(json.dumps({"before": before, "after": after}))
     row = measured_row(run.system, result, before, after)
     row.round = run.round
-    if len(servers) > 1:  # the client, started and ended inside the window, is in neither table
-        now = process_table()
-        others = set().union(*(pids for s, pids in server_trees(servers, now).items() if s != run.system))
-        row.others_cpu = cpu_cores(others, processes, now, time.monotonic() - started)
+    # The client, running throughout, is in the machine's idle but in neither server's processes.
+    processes, now, seconds = window["processes"], process_table(), time.monotonic() - window["started"]
+    row.idle_cores = machine_idle_cores(window["machine"], cpu_times())
+    trees = server_trees(servers, now)
+    row.own_cpu = cpu_by_name(trees[run.system], processes, now, seconds)
+    if len(servers) > 1:
+        others = set().union(*(pids for s, pids in trees.items() if s != run.system))
+        row.others_cpu = cpu_cores(others, processes, now, seconds)
     if row.output_tokens != row.completed * w.output_len:
         report.notes.append(f"{row.label} c={c} round {run.round}: {row.output_tokens} output tokens from "
                             f"{row.completed} requests, not {w.output_len} each (ignore_eos not honoured?)")

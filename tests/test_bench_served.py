@@ -450,6 +450,79 @@ def test_descendants_and_their_cpu(tmp_path):
             proc.wait()
 
 
+def test_cpu_by_name_and_the_machines_idle_cores():
+    """Two busy processes of one kind and a sleeping one: the kind shows about two cores' worth less what the
+    machine's other work takes, the sleeper is left out, and the machine's idle falls by what they took."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(2)]
+    sleeping = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        before, machine = bench.process_table(), bench.cpu_times()
+        time.sleep(1.5)
+        after, machine_after = bench.process_table(), bench.cpu_times()
+        pids = {p.pid for p in busy} | {sleeping.pid, 999_999_999}
+        by = bench.cpu_by_name(pids, before, after, 1.5)
+        assert list(by) == [bench.process_name(busy[0].pid)] and by[bench.process_name(busy[0].pid)] > 0.6
+        cpus = os.cpu_count()
+        idle = bench.machine_idle_cores(machine, machine_after, cpus)
+        assert 0 <= idle <= cpus - by[bench.process_name(busy[0].pid)] + 0.2
+    finally:
+        for proc in (*busy, sleeping):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("says_so", [True, False])
+def test_run_client_calls_on_start_when_the_measured_requests_begin(tmp_path, says_so):
+    """A stand-in client that takes 0.6 s to start, then logs what vllm bench serve logs, runs 0.6 s and
+    writes its result: the CPU window opens at the log line, not at the launch (nor after the end); a
+    client that never logs it opens the window when it ends."""
+    script = ("import json, sys, time; time.sleep(0.6); "
+              + (f"print({bench.CLIENT_STARTS + '...'!r}, flush=True); " if says_so else "")
+              + "time.sleep(0.6); json.dump({'completed': 1}, open(sys.argv[1], 'w'))")
+    result, log, called = tmp_path / "r.json", tmp_path / "client.log", []
+    t0 = time.monotonic()
+    data = bench.run_client([sys.executable, "-c", script, str(result)], result, log,
+                            on_start=lambda: called.append(time.monotonic() - t0))
+    ended = time.monotonic() - t0
+    assert data == {"completed": 1} and len(called) == 1
+    if says_so:
+        assert 0.55 < called[0] < ended - 0.3
+    else:
+        assert called[0] > 1.1
+
+
+def test_cpu_times_reads_proc_stats_first_line():
+    # proc(5): cpu user nice system idle iowait irq softirq steal guest guest_nice
+    text = "cpu  100 5 20 800 30 0 7 2 0 0\ncpu0 50 2 10 400 15 0 3 1 0 0\n"
+    assert bench.cpu_times(text) == (830, 964)
+    assert bench.machine_idle_cores((830, 964), (830 + 150, 964 + 200), cpus=2) == pytest.approx(1.5)
+    assert bench.machine_idle_cores((1, 10), (1, 10), cpus=2) == 0.0
+    with pytest.raises(ValueError):
+        bench.cpu_times("intr 1 2 3\n")
+    idle, total = bench.cpu_times()  # this machine's
+    assert 0 < idle < total
+
+
+def test_the_report_shows_each_runs_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "OUT_DIR", tmp_path)
+    report = bench.Report(machine="test box", workload={"input_len": 24, "output_len": 64, "seed": 0,
+                                                          "num_prompts": 16, "warmup_prompts": None})
+    served = run_row("dspark", 8, 1, 100.0, ttft=50.0, itl=(20.0, 60.0))
+    served.own_cpu = {"ray::TargetShard": 0.76, "ray::DraftWorker": 0.46, "ray::ServeReplica": 0.14,
+                      "gcs_server": 0.02, "raylet": 0.01}
+    served.idle_cores = 0.42
+    report.rows = [served, run_row("vllm", 8, 1, 200.0, ttft=30.0, itl=(10.0, 40.0))]
+    report.save()
+    md = (tmp_path / "served.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("| dspark_ray served | 8 | 1 | 0.42 |"))
+    assert line.endswith("| 1.39 | ray::TargetShard 0.76, ray::DraftWorker 0.46, ray::ServeReplica 0.14, "
+                         "gcs_server 0.02 |")  # the four busiest, their total over all
+    assert "| vLLM served | 8 |" not in md.split("CPU during each run")[1].split("\n\n")[1]  # not measured
+    data = json.loads((tmp_path / "served.json").read_text())
+    assert data["rows"][0]["own_cpu"]["ray::TargetShard"] == 0.76 and data["rows"][0]["idle_cores"] == 0.42
+
+
 # -- commands and configs ---------------------------------------------------------------------------
 
 
