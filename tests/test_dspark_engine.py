@@ -403,6 +403,7 @@ def test_through_the_ray_workers_at_tensor_parallel_2(target_path, dspark_path, 
 
     from dspark_ray.engine import Engine
     from dspark_ray.serve.actors import start_replica_services
+    from dspark_ray.serve.metrics import StepObserver
     from dspark_ray.tokenizer import Tokenizer
     from serve_fixtures import OBJECT_STORE_BYTES
 
@@ -425,7 +426,9 @@ def test_through_the_ray_workers_at_tensor_parallel_2(target_path, dspark_path, 
                 engine = Engine(config, Tokenizer.from_path(config.model), services.slots, services.target,
                                 draft, owner="r0")
                 assert engine.pipelined
+                observer = StepObserver(engine)  # the replica's metrics: ray_dspark_context_relayed_total
                 results = generate(engine, prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+                assert observer.observe([], 0).counts["context_relayed"] == services.target.context_relayed
                 proposer = services.draft_worker or services.shards[0]
                 counts = ray.get(proposer.__ray_call__.remote(lambda self: dict(self.inbox.counts)))
                 runs[path if placement == "worker" else "in rank 0"] = (

@@ -166,7 +166,8 @@ def test_engine_counters_and_mid_prefill_requests():
     engine.step(rows=2)
     r = obs.observe([], waiting=0)
     assert r.counts == {"prefill_chunks": 3, "prefix_cache_query_tokens": 50, "prefix_cache_hit_tokens": 32,
-                        "grammar_cut_drafts": 0, "confidence_cut_drafts": 0} and r.prefilling == 2
+                        "grammar_cut_drafts": 0, "confidence_cut_drafts": 0,
+                        "context_relayed": 0} and r.prefilling == 2  # (a target without the counter: 0)
     engine.counters.prefill_chunks = 4
     engine.scheduler.mid_prefill = 0
     r = obs.observe([], waiting=0)

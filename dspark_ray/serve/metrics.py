@@ -67,6 +67,12 @@ ENGINE_COUNTERS = {
                              "verification).",
 }
 
+# Counters of the engine's target service (``engine.target``; 0 where it has none), exported the same way.
+TARGET_COUNTERS = {
+    "context_relayed": "DSpark draft: positions of the target's context states relayed through the replica "
+                       "(context_path: replica, or while target rank 0's direct link to the draft worker is down).",
+}
+
 
 @dataclass
 class SpecDelta:
@@ -120,7 +126,7 @@ class StepReport:
     preemptions: int = 0
     draft_failures: int = 0
     prefilling: int = 0  # running requests whose prompt (or recompute) is not fed yet
-    counts: dict[str, int] = field(default_factory=dict)  # ENGINE_COUNTERS added by this pass
+    counts: dict[str, int] = field(default_factory=dict)  # ENGINE_COUNTERS and TARGET_COUNTERS added by this pass
     spec: SpecDelta = field(default_factory=SpecDelta)
     spec_k: int | None = None  # the k adaptive speculation chose for this step (None: no step, or fixed k)
 
@@ -147,6 +153,7 @@ class StepObserver:
         self._preemptions = engine.counters.preemptions
         self._draft_failures = engine.counters.draft_failures
         self._counts = {name: getattr(engine.counters, name) for name in ENGINE_COUNTERS}
+        self._target_counts = {name: getattr(engine.target, name, 0) for name in TARGET_COUNTERS}
 
     def submitted(self, req_id: str, at: float) -> None:
         """The loop accepted ``req_id`` at ``at`` (a ``clock`` reading, taken when the caller submitted)."""
@@ -174,6 +181,10 @@ class StepObserver:
             total = getattr(counters, name)
             report.counts[name] = total - before
             self._counts[name] = total
+        for name, before in self._target_counts.items():  # the target may have been replaced (reset_target)
+            total = getattr(engine.target, name, 0)
+            report.counts[name] = max(0, total - before)
+            self._target_counts[name] = total
         report.prefilling = engine.scheduler.prefilling()
         for out in outputs:
             self._observe_output(out, now, report)
@@ -248,7 +259,8 @@ class ServingMetrics:
         self.kv_capacity = make(Gauge, "dspark_kv_pool_tokens_capacity", "Target KV pool size in tokens.")
         self.preemptions = make(Counter, "dspark_preemptions", "Requests preempted (target KV freed, recomputed).")
         self.draft_failures = make(Counter, "dspark_draft_failures", "Steps run without drafts: the proposer failed.")
-        self.engine_counters = {name: make(Counter, f"dspark_{name}", doc) for name, doc in ENGINE_COUNTERS.items()}
+        self.engine_counters = {name: make(Counter, f"dspark_{name}", doc)
+                                for name, doc in {**ENGINE_COUNTERS, **TARGET_COUNTERS}.items()}
         self.prefilling = make(Gauge, "dspark_requests_prefilling", "Running requests mid-prefill (holding a slot, "
                                "their prompt or recompute not fed yet).")
         self.step_phase = make(Histogram, "dspark_step_phase_seconds", "Engine step time by phase "
