@@ -3,7 +3,7 @@
 # the engine on the device (tests), the target's paged attention vs gather +
 # SDPA (bench/paged_attention.py), speculation vs none on the GPU with gather +
 # SDPA and, at the large batches, with the paged kernel (bench/spec.py), and the
-# draft's kernel timings (bench/kernels.py).
+# draft's kernel timings (bench/kernel_timings.py).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # default bench/out/gpu
 #
@@ -47,5 +47,5 @@ step paged_attention 120 "$py" bench/paged_attention.py
 step spec 200 "$py" bench/spec.py --device cuda --no-transformers --batches 1 8 32 64 --max-tokens 64 --threads 4 --cuda-graphs
 step spec_paged 90 "$py" bench/spec.py --device cuda --no-transformers --batches 32 64 --max-tokens 64 \
     --threads 4 --paged-attention
-step kernels 100 "$py" bench/kernels.py
+step kernels 100 "$py" bench/kernel_timings.py
 exit "$failed"

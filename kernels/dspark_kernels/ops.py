@@ -8,7 +8,7 @@ Backends:
   Triton interpreter: call ``enable_interpreter()`` (or export
   ``TRITON_INTERPRET=1`` before the kernels are first imported; Triton
   decides interpreter-or-compiler when a kernel is decorated). Tests and
-  ``bench/kernels.py`` use it to run the kernels on CPU.
+  ``bench/kernel_timings.py`` use it to run the kernels on CPU.
 - ``"reference"``: always the reference in ``dspark_kernels.reference``.
 
 Choose with ``set_backend(...)`` or, scoped, ``with use_backend(...):``.

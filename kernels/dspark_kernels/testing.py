@@ -1,4 +1,4 @@
-"""Input builders shared by the kernel tests and `bench/kernels.py`.
+"""Input builders shared by the kernel tests and `bench/kernel_timings.py`.
 
 Each builder returns a frozen case whose tensors look like one serving step:
 live rows on distinct slots, padding rows on slot 0 with position -1, and

@@ -7,9 +7,9 @@ checked against its reference and timed against it (median of
 script says so and runs the same comparisons at tiny shapes through Triton's
 interpreter, without timings (interpreted times mean nothing).
 
-    python bench/kernels.py                      # everything
-    python bench/kernels.py --kernel rejection   # one kernel
-    python bench/kernels.py --head-dim 128 --kv-heads 8 --num-heads 32
+    python bench/kernel_timings.py                      # everything
+    python bench/kernel_timings.py --kernel rejection   # one kernel
+    python bench/kernel_timings.py --head-dim 128 --kv-heads 8 --num-heads 32
 
 Exit status 1 if any comparison disagrees.
 """
