@@ -147,7 +147,7 @@ class Row:
     timeline_ms: dict[str, float] = field(default_factory=dict)  # dspark served: ms per engine step per phase
     steps: int | None = None  # dspark served: engine steps in the run
     others_cpu: float | None = None  # cores the other servers up took during this run (None: none was up)
-    # Cores the measured server's own processes took during this run, by process name (run_cpu), and the
+    # Cores the measured server's own processes took during this run, by kind (cpu_by_name), and the
     # cores of the whole machine that sat idle meanwhile (/proc/stat); empty / None where not measured.
     own_cpu: dict[str, float] = field(default_factory=dict)
     idle_cores: float | None = None
@@ -521,10 +521,7 @@ def log_text(path: Path) -> str:
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "<no log>"
+    return "\n".join(log_text(path).splitlines()[-lines:]) if path.is_file() else "<no log>"
 
 
 def get_json(url: str, timeout_s: float = 5) -> dict | None:
