@@ -215,3 +215,41 @@ def test_prepacking_is_a_cpu_only_choice():
 
     assert not available(torch.device("cuda"), torch.float32)
     assert not available(torch.device("cpu"), torch.float16)
+
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2", "llama-gqa1", "llama-bias"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q_and_k_rotated_together_are_bit_identical_to_rotating_each(make_checkpoint, case, dtype):
+    """With fused q/k/v and no q/k norm, ``SelfAttention`` rotates q and k as one tensor (half the
+    rotary ops per layer): the same bits as rotating each, for every layer's attention inputs and
+    output, at decode, verify and prefill shapes."""
+    from dspark_ray.model.llama import CausalAttention, apply_rope
+
+    architecture, overrides = CASES[case]
+    folder, _ = make_checkpoint(architecture, **overrides)
+    model = load(folder, dtype=dtype)
+    attn = model.model.layers[0].self_attn
+    assert attn.fused_qkv is not None and attn.q_norm is None
+
+    seen = []
+
+    class Recording(CausalAttention):
+        def __call__(self, layer, q, k, v):
+            seen.append((q, k, v))
+            return super().__call__(layer, q, k, v)
+
+    gen = torch.Generator().manual_seed(11)
+    for b, t in [(1, 1), (1, 5), (3, 5), (2, 17)]:
+        x = torch.randn(b, t, model.config.hidden_size, generator=gen).to(model.lm_weight.dtype)
+        positions = torch.arange(40, 40 + t).expand(b, t)
+        cos, sin = model.rope(positions, x.dtype)
+        seen.clear()
+        with torch.no_grad():
+            got = attn(0, x, cos, sin, Recording())
+            q, k, v = (y.reshape(b, t, -1, attn.head_dim) for y in attn.fused_qkv(x))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            want = attn.o_proj(CausalAttention()(0, q, k, v).reshape(b, t, -1))
+        (gq, gk, gv), = seen
+        assert torch.equal(gq, q) and torch.equal(gk, k) and torch.equal(gv, v), (b, t)
+        assert torch.equal(got, want), (b, t)

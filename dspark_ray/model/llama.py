@@ -129,9 +129,12 @@ class FusedLinears:
                 lin.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
             start += n
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, unsplit: [..., sum(sizes)]."""
+        return self.gemm(x, self.bias) if self.gemm is not None else F.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = self.gemm(x, self.bias) if self.gemm is not None else F.linear(x, self.weight, self.bias)
-        return y.split(self.sizes, dim=-1)
+        return self.matmul(x).split(self.sizes, dim=-1)
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
@@ -176,9 +179,20 @@ class SelfAttention(nn.Module):
         attention: Attention,
     ) -> torch.Tensor:
         b, t, _ = x.shape
+        hd = self.head_dim
         # Head counts come from the (possibly sharded) projections.
+        if self.fused_qkv is not None and self.q_norm is None:
+            # q and k sit side by side in the fused output: rotated as one [B, T, Hq + Hkv, D] tensor
+            # (the same arithmetic per element, bit for bit, half the rotary ops), then split; q and k
+            # reach the attention as views. A 5-token pass of the shipped pair, 1 thread: 1.01-1.06x.
+            y = self.fused_qkv.matmul(x)
+            nq, nk, _ = self.fused_qkv.sizes
+            qk = apply_rope(y[..., :nq + nk].unflatten(-1, (-1, hd)), cos, sin)
+            q, k = qk.split((nq // hd, nk // hd), dim=2)
+            out = attention(layer, q, k, y[..., nq + nk:].unflatten(-1, (-1, hd)))  # [B, T, Hq, D]
+            return self.o_proj(out.reshape(b, t, -1))
         if self.fused_qkv is not None:
-            q, k, v = (y.reshape(b, t, -1, self.head_dim) for y in self.fused_qkv(x))
+            q, k, v = (y.reshape(b, t, -1, hd) for y in self.fused_qkv(x))
         else:
             q = self.q_proj(x).view(b, t, -1, self.head_dim)
             k = self.k_proj(x).view(b, t, -1, self.head_dim)
