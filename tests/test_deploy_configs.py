@@ -25,10 +25,18 @@ def test_local_configs_validate_with_the_shipped_pair(name, tp):
     assert config.device == "cpu" and config.model_name == "shakespeare-target"
 
 
-def test_local_configs_differ_only_in_tensor_parallelism():
+def test_local_configs_differ_only_in_tensor_parallelism_and_threads():
+    """The TP=2 demo runs two shards on the one machine: one thread each and no binding (two processes
+    bound by OMP_PROC_BIND would share the first cores), the draft in a worker of its own. The default
+    is one process, the draft inside it, its threads bound and spinning between steps."""
     one, two = app_args("dspark.yaml"), app_args("dspark-tp2.yaml")
-    assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size"}
-    assert set(one) == set(two)
+    threading = {"torch_threads", "draft_placement", "worker_env_vars"}
+    assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", *threading}
+    assert set(one) - set(two) == {"draft_placement", "worker_env_vars"} and set(two) <= set(one)
+    assert two["torch_threads"] == 1 and one["draft_placement"] == "target"
+    assert AppConfig(**one).worker_env_vars == {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores",
+                                                "GOMP_SPINCOUNT": "30000000"}
+    assert AppConfig(**two).worker_env_vars == {} and AppConfig(**two).draft_placement == "worker"
 
 
 def test_two_box_config_uses_only_known_fields():

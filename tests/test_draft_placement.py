@@ -2,7 +2,8 @@
 
 The replica's services are started as a Serve replica starts them
 (``start_replica_services``) and driven by the engine through the same
-facades. With the draft in rank 0's process there is no proposer actor, the
+facades, with ``worker_env_vars`` in the shards' processes (merged with the
+app's own runtime_env). With the draft in rank 0's process there is no proposer actor, the
 proposals travel on a second channel to rank 0, and greedy output is token
 for token the in-process engine's. When the target is rebuilt (rank 0
 killed mid-generation), the new rank 0 holds a fresh proposer with an empty
@@ -14,6 +15,7 @@ ones catch up and draft again, and output is still unchanged.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import ray
@@ -33,6 +35,15 @@ PROMPTS = [
     "To be",
 ]
 MAX_TOKENS = 40
+
+
+WORKER_ENV = {"GOMP_SPINCOUNT": "30000000", "DSPARK_TEST_WORKER_ENV": "rank0"}
+
+
+def worker_env(actor) -> dict[str, str]:
+    """The variables of ``WORKER_ENV`` and the app's own as the actor's process sees them."""
+    names = [*WORKER_ENV, "DSPARK_TEST_FROM_THE_APP"]
+    return ray.get(actor.__ray_call__.remote(lambda self: {n: os.environ.get(n) for n in names}))
 
 
 def engine_config(models, **overrides) -> EngineConfig:
@@ -60,7 +71,8 @@ def run(engine: Engine, tokens: dict[str, list[int]], steps: int | None = None) 
 def cluster():
     assert not ray.is_initialized(), "another test left Ray initialised in this process"
     ray.init(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
-             namespace="dspark-placement-tests", log_to_driver=False)
+             namespace="dspark-placement-tests", log_to_driver=False,
+             runtime_env={"env_vars": {"DSPARK_TEST_FROM_THE_APP": "kept"}})
     yield
     ray.shutdown()
 
@@ -73,17 +85,31 @@ def test_app_config_turns_the_pipeline_off_with_the_draft_in_the_target(serve_mo
         AppConfig(**args, draft_placement="elsewhere")
 
 
+def test_worker_env_vars_are_strings_as_a_process_sees_them(serve_models):
+    """YAML writes ``GOMP_SPINCOUNT: 30000000`` and ``OMP_PROC_BIND: true``: the values a process gets."""
+    args = dict(model=str(serve_models.target), draft=str(serve_models.draft), http_port=None)
+    config = AppConfig(**args, worker_env_vars={"GOMP_SPINCOUNT": 30000000, "OMP_PROC_BIND": True, "A": "x y"})
+    assert config.worker_env_vars == {"GOMP_SPINCOUNT": "30000000", "OMP_PROC_BIND": "true", "A": "x y"}
+    assert AppConfig(**args).worker_env_vars == {}
+    for bad in ({"A=B": "1"}, {"": "1"}, {"A": [1]}, {"A": None}):
+        with pytest.raises(ValueError, match="worker_env_vars"):
+            AppConfig(**args, worker_env_vars=bad)
+
+
 def test_draft_in_target_rank0_serves_the_same_tokens_and_survives_a_rebuild(cluster, serve_models):
     config = engine_config(serve_models)
     local = build_local_engine(config)
     expected = add_all(local)
     run(local, expected)
 
+    # As deploy/dspark.yaml runs it: rank 0's OpenMP threads spinning between steps, set by worker_env_vars.
     services = start_replica_services(config, app_name="placement", replica="p0", tensor_parallel_size=1,
                                       placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1,
-                                      slot_timeout_s=30, draft_placement="target")
+                                      slot_timeout_s=30, draft_placement="target",
+                                      worker_env_vars=dict(WORKER_ENV))
     try:
         assert services.draft_worker is None and services.draft.worker == services.shards[0]
+        assert worker_env(services.shards[0]) == {**WORKER_ENV, "DSPARK_TEST_FROM_THE_APP": "kept"}
         ray.get_actor("dspark:target:p0:rank0")
         with pytest.raises(ValueError):  # no proposer actor was started
             ray.get_actor("dspark:proposer:p0")
@@ -100,6 +126,7 @@ def test_draft_in_target_rank0_serves_the_same_tokens_and_survives_a_rebuild(clu
         assert engine.target_error is not None
         engine.reset_target(services.rebuild_target())
         assert services.draft.worker == services.shards[0]
+        assert worker_env(services.shards[0]) == {**WORKER_ENV, "DSPARK_TEST_FROM_THE_APP": "kept"}
         proposals = services.timeline.snapshot()["draft.compute"]["count"]
         run(engine, tokens)
         assert not engine.has_unfinished()

@@ -116,8 +116,11 @@ def two_replicas(serve_models, tmp_path_factory):
         assert ray.get(manager.snapshot.remote(), timeout=60).capacity == CAPACITY
 
     assert not ray.is_initialized(), "another test left Ray initialised in this process"
+    # Two replicas on this one machine: each with a draft worker and one thread per process, nothing bound
+    # (the YAML's note on several replicas: threads bound by OMP_PROC_BIND would share the first cores).
     args = dict(num_replicas=REPLICAS, capacity=CAPACITY, max_context=MAX_CONTEXT, max_num_seqs=ROWS,
-                max_queued_requests=16, kv_pool_tokens=ROWS * MAX_CONTEXT)  # no preemption: quicker
+                max_queued_requests=16, kv_pool_tokens=ROWS * MAX_CONTEXT,  # no preemption: quicker
+                draft_placement="worker", torch_threads=1, worker_env_vars={})
     run = start_serve(serve_models, tmp_path_factory.mktemp("serve_replicas"), args=args,
                       before_serve=slot_manager_first)
     try:

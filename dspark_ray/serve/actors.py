@@ -367,6 +367,7 @@ class ReplicaServices:
         step_timeout_factor: float = 10.0,
         draft_placement: str = "worker",
         context_path: str = "direct",
+        worker_env_vars: dict[str, str] | None = None,
     ) -> None:
         if draft_placement not in ("worker", "target"):
             raise ValueError(f"draft_placement must be 'worker' or 'target', got {draft_placement!r}")
@@ -392,6 +393,7 @@ class ReplicaServices:
         self.timeouts = WorkerTimeouts()
         self.tensor_parallel_size = tensor_parallel_size
         self.cpus_per_shard, self.torch_threads, self.spin_s = cpus_per_shard, torch_threads, spin_s
+        self.runtime_env = _worker_runtime_env(worker_env_vars)
         self._gpu = 1 if config.device == "cuda" else 0
         # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
         gpu = {"GPU": 1} if self._gpu else {}
@@ -424,10 +426,12 @@ class ReplicaServices:
                                   app_capacity=slot_capacity)
 
     def _opts(self, bundle: int, name: str, gpus: float) -> dict:
+        runtime_env = {} if self.runtime_env is None else {"runtime_env": self.runtime_env}
         return dict(
             name=name, num_cpus=self.cpus_per_shard, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=bundle),
+            **runtime_env,
         )
 
     def _start_target(self) -> RayTarget:
@@ -493,6 +497,18 @@ class ReplicaServices:
         remove_placement_group(self.placement_group)
 
 
+def _worker_runtime_env(env_vars: dict[str, str] | None) -> dict | None:
+    """The workers' runtime_env: this process's (the replica's: its working_dir, pip, ...) with
+    ``env_vars`` added to its env_vars. None, when there are none, inherits it unchanged.
+
+    Ray merges a child's env_vars with its parent's but takes every other field of a child's
+    runtime_env as given, so the rest is copied from the parent here rather than dropped."""
+    if not env_vars:
+        return None
+    parent = dict(ray.get_runtime_context().runtime_env or {})
+    return {**parent, "env_vars": {**(parent.get("env_vars") or {}), **env_vars}}
+
+
 class SlotCapacityMismatch(RuntimeError):
     """The application's running slot manager has another capacity and still holds leases."""
 
@@ -548,4 +564,5 @@ def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
         slot_capacity=config.capacity, spin_s=config.worker_spin_s,
         step_timeout_floor_s=config.step_timeout_floor_s, step_timeout_factor=config.step_timeout_factor,
         draft_placement=config.draft_placement, context_path=config.context_path,
+        worker_env_vars=config.worker_env_vars,
     )

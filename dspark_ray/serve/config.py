@@ -126,6 +126,13 @@ class AppConfig(BaseModel):
         "one this long (yielding the core) before they sleep: a step that comes soon finds them awake, at the "
         "cost of CPU while idle. 0: sleep at once.",
     )
+    worker_env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the target shards' and the draft worker's "
+        "processes, on top of the application's runtime_env env_vars (those actors only; the replica keeps its "
+        "own). They are set before the process starts, so libraries that read them once at load see them: "
+        "deploy/dspark.yaml has OpenMP bind the one worker's two threads to the two cores and keep them spinning "
+        "between steps (README, Performance). Numbers and booleans are written as strings.",
+    )
     slot_admission_timeout_s: float = Field(
         30.0, gt=0, description="How long admissions wait for the slot manager during an outage."
     )
@@ -235,6 +242,25 @@ class AppConfig(BaseModel):
             raise ValueError(f"unknown reasoning_parser {value!r}; one of {', '.join(sorted(REASONING_PARSERS))} "
                              "or null")
         return value
+
+    @field_validator("worker_env_vars", mode="before")
+    @classmethod
+    def _env_var_strings(cls, value: Any) -> Any:
+        """YAML's ``GOMP_SPINCOUNT: 30000000`` or ``OMP_PROC_BIND: true`` as the strings a process sees."""
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for name, v in value.items():
+            if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+                raise ValueError(f"{name!r} is not an environment variable name (non-empty, no '=')")
+            if isinstance(v, bool):
+                v = "true" if v else "false"
+            elif isinstance(v, (int, float)):
+                v = str(v)
+            if not isinstance(v, str) or "\0" in v:
+                raise ValueError(f"{name}: the value must be a string, a number or a boolean, got {v!r}")
+            out[name] = v
+        return out
 
     @field_validator("autoscaling_config")
     @classmethod
