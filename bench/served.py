@@ -41,7 +41,7 @@ next).
 Both servers are driven by ``vllm bench serve``, unmodified: random prompts of
 --input-len tokens from the target tokenizer's vocabulary (fixed --seed, so
 both servers get the same prompts), exactly --output-len output tokens
-(ignore_eos), temperature 0, --num-prompts requests per concurrency level at
+(ignore_eos), temperature 0 (--temperature), --num-prompts requests per concurrency level at
 --max-concurrency c, after one warm-up run at the highest concurrency. From
 its result JSON: output tok/s, requests/s, TTFT mean/p50/p99, TPOT mean/p50,
 ITL p50/p99. For dspark the per-step timeline (``GET /stats``, see
@@ -379,7 +379,7 @@ class Report:
         rounds = max((r.round or 1 for r in self.rows), default=1)
         parts = [
             f"Machine: {self.machine}. Workload: `vllm bench serve`, random prompts of {w['input_len']} tokens, "
-            f"{w['output_len']} output tokens (ignore_eos), temperature 0, seed {w['seed']}, "
+            f"{w['output_len']} output tokens (ignore_eos), temperature {w.get('temperature', 0.0):g}, seed {w['seed']}, "
             f"{w['num_prompts'] or 'max(16, 4c)'} prompts per level c, warm-up first. In-process: the same "
             "prompt shape, b requests at once, rounds of b. Latencies in ms; ITL is per streamed chunk (a "
             "speculative step streams several tokens), TPOT per token.",
@@ -594,6 +594,7 @@ class Workload:
     seed: int = 0
     num_prompts: int | None = None  # per level; None: max(16, 4 * c)
     warmup_prompts: int | None = None  # None: the highest concurrency
+    temperature: float = 0.0  # 0: greedy; 1.0: sampled, the OpenAI API's default
 
     def prompts(self, concurrency: int) -> int:
         return self.num_prompts or max(16, 4 * concurrency)
@@ -605,7 +606,7 @@ def client_command(cli: list[str], base_url: str, model: str, tokenizer: Path, w
     return [*cli, "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
             "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len), "--ignore-eos",
-            "--temperature", "0", "--seed", str(w.seed), "--num-prompts", str(num_prompts),
+            "--temperature", f"{w.temperature:g}", "--seed", str(w.seed), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--save-detailed",
             "--result-dir", str(result_dir), "--result-filename", result_name]
@@ -1081,7 +1082,7 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
     cfg = app_of(args.yaml)["config"].engine_config()
     engine = build_local_engine(cfg)
     w = args.workload
-    params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=w.temperature)
     report.commands.append(f"in process: build_local_engine(AppConfig(**{args.yaml.name} args).engine_config()), "
                            f"torch threads {args.threads}, batches {' '.join(map(str, args.concurrency))}")
     for b in args.concurrency:
@@ -1119,6 +1120,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--input-len", type=int, default=24, help="prompt tokens")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
     ap.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
     ap.add_argument("--port", type=int, default=0, help="dspark's HTTP port (default: a free one)")
     ap.add_argument("--vllm-port", type=int, default=0, help="vLLM's HTTP port (default: a free one)")
     ap.add_argument("--vllm-draft", type=Path, default=REPO / "models" / "shakespeare-draft",
@@ -1143,7 +1146,8 @@ def parse(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     args.systems = list(dict.fromkeys(args.systems))  # each once, in the order given
-    args.workload = Workload(args.input_len, args.output_len, args.seed, args.num_prompts, args.warmup_prompts)
+    args.workload = Workload(args.input_len, args.output_len, args.seed, args.num_prompts, args.warmup_prompts,
+                             args.temperature)
     return args
 
 

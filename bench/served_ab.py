@@ -72,12 +72,14 @@ def main() -> None:
     ap.add_argument("--ray-cpus", type=int, default=4)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--name", default="served-ab", help="results go to bench/out/<name>/")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
     args = ap.parse_args()
 
     out = OUT_DIR / args.name
     out.mkdir(parents=True, exist_ok=True)
     cli = vllm_cli()
-    workload = Workload()
+    workload = Workload(temperature=args.temperature)
     app = app_of(args.yaml_a)
     model, tokenizer = app["name"], Path(app["model"])
     urls = {"A": f"http://{HOST}:{args.port}", "B": f"http://{HOST}:{args.port + 1}"}

@@ -87,7 +87,7 @@ def test_drafting_ahead_proposes_what_the_plain_draft_does_and_changes_no_output
     counts = ahead.draft.ahead_counts
     # Drafted ahead for most steps, used where the target took every draft and the guessed bonus,
     # sometimes cut short (the rest drafted by the proposal that used them).
-    assert counts.drafted > 60 and counts.used > 10 and counts.dropped > 40 and counts.cut_short > 20, counts
+    assert counts.drafted > 60 and counts.used > 4 and counts.dropped > 40 and counts.cut_short > 20, counts
     assert plain.draft.ahead_counts.drafted == 0
 
 

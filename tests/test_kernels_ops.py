@@ -98,6 +98,26 @@ def test_rows_use_their_own_parameters():
     torch.testing.assert_close(probs[2], torch.tensor([1.0, 0.0, 0.0, 0.0]))
 
 
+def test_rows_that_do_not_truncate_are_the_softmax_of_every_logit():
+    """top_k disabled (0, -1 or V) and top_p 1: exactly the tempered softmax, the tail included (the
+    unsorted fast path), whether the batch's other rows truncate or not; masked ids stay at zero."""
+    logits = torch.randn((6, 50), generator=torch.Generator().manual_seed(5)) * 4
+    logits[:, 45:] = float("-inf")  # ids past the tokenizer (mask_vocab)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5])
+    top_k = torch.tensor([0, -1, 50, 0, 5, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.3])
+    want = torch.softmax(logits / temperature[:, None], dim=-1)
+    mixed = ops.logits_to_probs(logits, temperature, top_k, top_p)
+    alone = ops.logits_to_probs(logits[:4], temperature[:4], top_k[:4], top_p[:4])
+    assert torch.equal(mixed[:4], want[:4]) and torch.equal(alone, want[:4])
+    assert bool((mixed[:, 45:] == 0).all())
+    # The truncating rows are what they are alone.
+    for b in (4, 5):
+        one = ops.logits_to_probs(logits[b:b + 1], temperature[b:b + 1], top_k[b:b + 1], top_p[b:b + 1])
+        assert torch.equal(mixed[b:b + 1], one)
+    assert int((mixed[4] > 0).sum()) == 5 and int((mixed[5] > 0).sum()) < 45
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),

@@ -24,3 +24,8 @@ def _splitmix64(x: int) -> int:
 def derive_seed(seed: int, position: int, stream: int) -> int:
     """A 63-bit seed for the draws a request makes at ``position`` in ``stream``."""
     return _splitmix64(_splitmix64(_splitmix64(seed) ^ position) ^ stream) >> 1
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """A uniform draw in [0, 1) for ``position`` in ``stream``: the top 53 bits of ``derive_seed``."""
+    return (derive_seed(seed, position, stream) >> 10) * 2.0**-53
