@@ -65,6 +65,7 @@ single request the steps simply alternate between drafting and verifying it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -132,6 +133,11 @@ class _Drafted:
 
 class TargetUnavailable(RuntimeError):
     """The target failed and has not been replaced yet (``Engine.reset_target``)."""
+
+
+class DraftFailed(RuntimeError):
+    """The proposer of a target that drafts its own steps failed (VerifyResult.draft_error): the step
+    was verified without drafts."""
 
 
 @dataclass
@@ -388,9 +394,13 @@ class Engine:
             return outputs
         steady = self._steady(plan.rows)
         sampling = {r.req_id: self._sampling(r) for r in plan.rows}  # built once, sent to draft and target
-        proposal = self._run_speculation(plan, sampling)
-        t2 = time.perf_counter()
-        result = self._run_target(plan, proposal, sampling)
+        if self._target_drafts(plan):
+            result, proposal = self._run_drafting_target(plan, sampling)
+            t2 = t1 + (result.propose_s if result is not None else 0.0)  # one call: the proposal's share is "propose"
+        else:
+            proposal = self._run_speculation(plan, sampling)
+            t2 = time.perf_counter()
+            result = self._run_target(plan, proposal, sampling)
         return self._close_step(plan, proposal, result, outputs, steady, t0, t1, t2)
 
     def _close_step(self, plan: StepPlan, drafts: dict, result: VerifyResult | None, outputs: list[RequestOutput],
@@ -495,6 +505,33 @@ class Engine:
         if self.draft is None:
             return {}
         return self._collect_proposal(self._send_proposal(plan, sampling, self.draft.propose))
+
+    def _target_drafts(self, plan: StepPlan) -> bool:
+        """The target drafts this step itself (TargetStep.propose): it holds the proposer and no row
+        has a grammar (whose masks the engine computes from the drafts before verification)."""
+        return (self.draft is not None and getattr(self.target, "drafts", False)
+                and all(r.grammar is None for r in plan.rows))
+
+    def _run_drafting_target(self, plan: StepPlan, sampling: dict[str, SamplingRow]
+                             ) -> tuple[VerifyResult | None, dict[str, tuple[list[int], None]]]:
+        """Propose and verify in one target call; the drafts verified per request id (as
+        ``_run_speculation`` gives them, without q: it stayed in the target)."""
+        proposing = self._propose_rows(plan, sampling)
+        if proposing is None:
+            return self._run_target(plan, {}, sampling), {}
+        rows, sent, propose_rows = proposing
+        batch = dataclasses.replace(self._target_batch(plan, {}, sampling, {}), propose=propose_rows)
+        try:
+            result = self.target.step(batch)
+        except Exception as exc:
+            self._target_failed(exc, batch.release_slots)
+            return None, {}
+        if result.drafts is None:
+            return result, self._draft_failed(rows, DraftFailed(result.draft_error))
+        for r, context in zip(rows, sent):
+            if r.context is context:
+                r.context = None
+        return result, {r.req_id: (toks, None) for r, toks in zip(rows, result.drafts)}
 
     def _run_target(self, plan: StepPlan, drafts: dict, sampling: dict[str, SamplingRow],
                     masks: dict[str, torch.Tensor] | None = None) -> VerifyResult | None:
@@ -683,6 +720,19 @@ class Engine:
         """The draft call for ``plan``'s speculating rows through ``call`` (``propose`` or
         ``propose_async``): None if none speculates, else (rows, the context states sent with
         them, its reply: pending call or error)."""
+        proposing = self._propose_rows(plan, sampling)
+        if proposing is None:
+            return None
+        rows, sent, propose_rows = proposing
+        try:
+            return rows, sent, call(propose_rows)
+        except Exception as exc:  # noqa: BLE001 - e.g. DraftUnavailable: handled with the reply
+            return rows, sent, exc
+
+    def _propose_rows(self, plan: StepPlan, sampling: dict[str, SamplingRow]
+                      ) -> tuple[list[Request], list, list[ProposeRow]] | None:
+        """``plan``'s speculating rows, the context states going with them, and their ProposeRows;
+        None if none speculates."""
         rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
         if not rows:
             return None
@@ -694,11 +744,7 @@ class Engine:
                        r.context, alone, r.context_push)
             for r in rows
         ]
-        sent = [r.context for r in rows]
-        try:
-            return rows, sent, call(propose_rows)
-        except Exception as exc:  # noqa: BLE001 - e.g. DraftUnavailable: handled with the reply
-            return rows, sent, exc
+        return rows, [r.context for r in rows], propose_rows
 
     def _collect_proposal(self, proposing) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         if proposing is None:

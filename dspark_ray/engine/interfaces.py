@@ -190,6 +190,11 @@ class TargetStep:
     # [B, K, V] float32, as in Proposal; None when no row samples with drafts.
     draft_probs: torch.Tensor | None = None
     release_slots: list[int] = field(default_factory=list)  # free these slots' KV first
+    # The target holds the draft proposer (``draft_placement: target``, one rank): draft these rows
+    # first, in the target's process, and verify each row's drafts (and their q) in the VerifyRow with
+    # its slot, sent with none; the result's ``drafts`` says what was verified. One call a step, and
+    # the draft's probabilities never leave the target. None: the rows carry their drafts.
+    propose: list[ProposeRow] | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,11 @@ class VerifyResult:
     # Those states went to the draft worker directly instead (serve/context_push.py): the (link,
     # seq) of the message that held them, for the rows' next proposals (ProposeRow.context_push).
     context_push: tuple[str, int] | None = None
+    # A step that drafted its rows in the target (TargetStep.propose): per ProposeRow, the drafts
+    # verified; None if the proposer failed (``draft_error`` says how: the step verified no drafts).
+    drafts: list[list[int]] | None = None
+    draft_error: str | None = None
+    propose_s: float = 0.0  # of the call's seconds, those the proposal took
 
 
 class SlotService(Protocol):

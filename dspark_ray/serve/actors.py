@@ -123,8 +123,11 @@ class RayTarget:
 
     def __init__(self, kv_capacity: int, channels: list[Channel], call_timeout_s: float,
                  timeline: StepTimeline | None = None, deadline: StepDeadline | None = None,
-                 timeouts: WorkerTimeouts | None = None) -> None:
+                 timeouts: WorkerTimeouts | None = None, drafts: bool = False) -> None:
+        """``drafts``: the one rank holds an independent draft's proposer, so a step may carry its
+        proposal (``TargetStep.propose``) and the engine needs one call a step, not two."""
         self.channels = channels
+        self.drafts = drafts
         self._kv_capacity = kv_capacity
         self.call_timeout_s = call_timeout_s
         self.timeline = timeline
@@ -167,14 +170,16 @@ class RayTarget:
         results = [result for (result, _), _ in replies]
         # Rank 0 alone returns a DSpark draft's context states, or where it sent them (TargetShard.step);
         # the rest must agree.
-        first = dataclasses.replace(results[0], context=None, context_push=None)
+        first = dataclasses.replace(results[0], context=None, context_push=None, propose_s=0.0)
         if any(r != first for r in results[1:]):
             raise TensorParallelDivergence(f"ranks disagree on verification: {results}")
         if results[0].context is not None:
             self.context_relayed += sum(len(c) for c in results[0].context if c is not None)
         if self.timeline is not None:
             compute = max(seconds for _, seconds in replies)
-            self.timeline.add("target.compute", compute)
+            if results[0].propose_s:  # drafted in the same call (TargetStep.propose)
+                self.timeline.add("draft.compute", results[0].propose_s)
+            self.timeline.add("target.compute", compute - results[0].propose_s)
             self.timeline.add("target.collective", replies[0][0][1])
             if waited:
                 self.timeline.add("target.transport", max(0.0, now - begin - compute))
@@ -449,8 +454,12 @@ class ReplicaServices:
                                              local_context if r == 0 else None)
                               for r, s in enumerate(self.shards)])
         channels = [open_channel(s, f"target rank {r}", self.call_timeout_s) for r, s in enumerate(self.shards)]
+        # An independent draft in the one rank drafts inside the step's call. (With more ranks the others
+        # would need the drafts from rank 0, and a DSpark draft's context goes through its inbox: both
+        # keep a proposal call of their own.)
+        drafts = self.draft_in_target and world == 1 and self.context_window is None
         return RayTarget(min(capacities), channels, self.call_timeout_s, self.timeline, self.target_deadline,
-                         self.timeouts)
+                         self.timeouts, drafts=drafts)
 
     def rebuild_target(self) -> RayTarget:
         """Replace every target shard with a fresh one (empty KV, a new group)."""

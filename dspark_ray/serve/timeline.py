@@ -12,16 +12,18 @@ Phases (per engine step unless noted):
 - ``propose``        the draft call as the engine sees it; in a pipelined step
                      (engine/engine.py), which verifies one half of the batch
                      while it drafts the other, only the wait for the draft
-                     beyond the target call
-- ``verify``         the target call as the engine sees it
+                     beyond the target call; in a step the target drafts itself
+                     (one rank holding an independent draft: ``TargetStep.propose``),
+                     the proposal's time inside that one call
+- ``verify``         the target call as the engine sees it (less that proposal)
 - ``commit``         appending tokens, stop checks, releases
 - ``deliver``        handing the step's outputs to the waiting streams (asyncio queues)
 - ``loop``           one pass of the engine loop: inbox, maintenance, step, deliver, metrics
-- ``draft.compute``  time inside the draft worker's ``propose``
+- ``draft.compute``  time inside the draft worker's ``propose`` (or the target's proposal)
 - ``draft.transport``  ``propose`` as seen by the engine minus the worker's own time
                      (not counted for a reply that was already waiting when the
                      engine came to read it)
-- ``target.compute`` time inside the target shards' ``step`` (the slowest rank)
+- ``target.compute`` time inside the target shards' ``step`` (the slowest rank; less a proposal)
 - ``target.collective``  of that, time in all-reduces (rank 0)
 - ``target.transport``   ``verify`` minus the slowest rank's own time
 """

@@ -209,9 +209,15 @@ class TargetShard(_ChannelWorker):
         return self.proposer.propose(rows)
 
     def step(self, batch: TargetStep) -> tuple[VerifyResult, float]:
-        """Verify one step; returns the result and the seconds this rank spent in all-reduces."""
+        """Verify one step; returns the result and the seconds this rank spent in all-reduces. A step
+        with ``propose`` rows (this rank holds the proposer) is drafted here first (``_draft_into``)."""
         start = time.perf_counter()
+        drafted = None
+        if batch.propose is not None:
+            batch, drafted = self._draft_into(batch)
         result = self.runner.step(batch)
+        if drafted is not None:
+            result = dataclasses.replace(result, **drafted)
         if result.context is not None:
             # A DSpark draft's context states (the residual stream, the same on every rank): rank 0's
             # go to the draft, directly where it can (serve/context_push.py), else in the reply.
@@ -222,6 +228,30 @@ class TargetShard(_ChannelWorker):
         collective = self.collectives.take()
         self.metrics.observe(time.perf_counter() - start, collective)
         return result, collective
+
+    def _draft_into(self, batch: TargetStep) -> tuple[TargetStep, dict]:
+        """The step with its ``propose`` rows' drafts in the VerifyRows of their slots (and their q in
+        ``draft_probs``), and what the result reports of it (VerifyResult.drafts, draft_error,
+        propose_s). If the proposer fails the step verifies no drafts: speculation only speeds it up."""
+        start = time.perf_counter()
+        try:
+            proposal = self.propose(batch.propose)
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, which resends the rows' tokens
+            log.warning("the draft proposer failed; this step verifies no drafts: %r", exc)
+            return dataclasses.replace(batch, propose=None), {"draft_error": f"{type(exc).__name__}: {exc}"}
+        index = {r.slot: i for i, r in enumerate(batch.propose)}
+        q = proposal.draft_probs  # [P, K, V] or None
+        probs = None if q is None else torch.zeros((len(batch.rows), *q.shape[1:]), dtype=q.dtype, device=q.device)
+        rows = []
+        for b, row in enumerate(batch.rows):
+            i = index.get(row.slot)
+            if i is not None:
+                row = dataclasses.replace(row, draft_token_ids=tuple(proposal.draft_token_ids[i]))
+                if probs is not None:
+                    probs[b] = q[i]
+            rows.append(row)
+        drafted = {"drafts": proposal.draft_token_ids, "propose_s": time.perf_counter() - start}
+        return TargetStep(rows, probs, batch.release_slots), drafted
 
     def release(self, slots: list[int]) -> None:
         self.runner.release(slots)
