@@ -365,6 +365,12 @@ class Engine:
         # (nothing, if it is a fresh one), so the resumed requests bind their slots anew.
         self.target_error = None
         self._drafted = None
+        # A draft held by target rank 0 (draft_placement: target) was rebuilt with it, its window cache
+        # empty: every request catches the draft up from its first token, so that its next proposal
+        # drafts instead of finding the cache behind (a step without drafts would change a sampled
+        # request's tokens). A draft worker of its own still has its cache; this costs it one catch-up.
+        for r in self.requests.values():
+            r.draft_len = 0
 
     def take_pending(self) -> list[RequestOutput]:
         """Outputs produced outside a step (aborts), without stepping."""
