@@ -25,6 +25,12 @@ step:
 6. release    one slot-service call frees the slots of requests that ended;
               their target KV is freed in the next target call.
 
+When the target's one rank holds the (independent) draft proposer, steps 3
+and 4 are one target call: the step carries its proposal rows
+(``TargetStep.propose``), the target drafts them and verifies the drafts in
+the same process, and the result names the drafts verified (rows with a
+grammar keep two calls: their masks are computed here, from the drafts).
+
 A DSpark block drafter (engine/dspark_proposer.py) builds its context from
 the target's hidden states: the target returns them for the positions each
 row committed (``VerifyResult.context``), the request keeps them
