@@ -65,6 +65,24 @@ def add_all(engine: Engine) -> dict[str, list[int]]:
             for i, p in enumerate(PROMPTS)}
 
 
+SAMPLED = f"r{len(PROMPTS) - 1}"  # add_all's sampled request
+
+
+def reference(config: EngineConfig) -> dict[str, list[int]]:
+    """``add_all``'s requests run to the end by the in-process engine."""
+    local = build_local_engine(config)
+    expected = add_all(local)
+    run(local, expected)
+    return expected
+
+
+def assert_greedy_unchanged(tokens: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
+    """The greedy requests token for token; the sampled one to its length only (after a step that lost
+    its drafts its tokens part from the reference: they depend on its drafts, its distribution not)."""
+    assert {r: t for r, t in tokens.items() if r != SAMPLED} == {r: t for r, t in expected.items() if r != SAMPLED}
+    assert len(tokens[SAMPLED]) == MAX_TOKENS
+
+
 def run(engine: Engine, tokens: dict[str, list[int]], steps: int | None = None) -> None:
     """Step until done (or ``steps`` times), appending each request's new tokens."""
     n = 0
@@ -105,9 +123,7 @@ def test_worker_env_vars_are_strings_as_a_process_sees_them(serve_models):
 
 def test_draft_in_target_rank0_serves_the_same_tokens_and_survives_a_rebuild(cluster, serve_models):
     config = engine_config(serve_models)
-    local = build_local_engine(config)
-    expected = add_all(local)
-    run(local, expected)
+    expected = reference(config)
 
     # As deploy/dspark.yaml runs it: rank 0's OpenMP threads spinning between steps, set by worker_env_vars.
     services = start_replica_services(config, app_name="placement", replica="p0", tensor_parallel_size=1,
@@ -148,9 +164,7 @@ def test_draft_in_target_rank0_serves_the_same_tokens_and_survives_a_rebuild(clu
         # Greedy output is unchanged by the rebuild. (A sampled request's tokens may part from the
         # reference late on: the recomputed KV and the draft's rebuilt window differ from the incremental
         # ones in the last bits, which can tip an acceptance test; its distribution is the same.)
-        sampled = f"r{len(PROMPTS) - 1}"
-        assert {r: t for r, t in tokens.items() if r != sampled} == {r: t for r, t in expected.items() if r != sampled}
-        assert len(tokens[sampled]) == MAX_TOKENS
+        assert_greedy_unchanged(tokens, expected)
         # Drafting went on after the rebuild, on the new rank 0's fresh proposer: reset_target had every
         # request resend its tokens to the draft, so no proposal found the empty window cache behind
         # (which would have failed it: DraftCacheBehind, and that step verified without drafts).
@@ -165,9 +179,7 @@ def test_a_failing_proposal_in_the_steps_call_verifies_without_drafts(cluster, s
     counts a draft failure and resends the rows' tokens, the next steps draft again, greedy output is
     unchanged."""
     config = engine_config(serve_models)
-    local = build_local_engine(config)
-    expected = add_all(local)
-    run(local, expected)
+    expected = reference(config)
     services = start_replica_services(config, app_name="placement-fail", replica="f0", tensor_parallel_size=1,
                                       placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=1,
                                       slot_timeout_s=30, draft_placement="target")
@@ -192,10 +204,7 @@ def test_a_failing_proposal_in_the_steps_call_verifies_without_drafts(cluster, s
         assert all(r.draft_len == 0 for r in engine.requests.values())  # caught up from scratch next time
         assert services.timeline.snapshot()["draft.compute"]["count"] == before  # that step drafted nothing
         run(engine, tokens)
-        # Greedy output is unchanged (a sampled row's tokens, not its distribution, depend on its drafts).
-        sampled = f"r{len(PROMPTS) - 1}"
-        assert {r: t for r, t in tokens.items() if r != sampled} == {r: t for r, t in expected.items() if r != sampled}
-        assert len(tokens[sampled]) == MAX_TOKENS
+        assert_greedy_unchanged(tokens, expected)
         assert services.timeline.snapshot()["draft.compute"]["count"] > before + 3
         assert engine.counters.draft_failures == 1 and engine.target_error is None
     finally:
