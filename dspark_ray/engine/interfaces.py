@@ -251,7 +251,8 @@ class DraftService(Protocol):
 class TargetService(Protocol):
     def step(self, batch: TargetStep) -> VerifyResult: ...
 
-    # Optional: ``step_async(batch) -> Pending[VerifyResult]`` (see DraftService).
+    # Optional: ``step_async(batch) -> Pending[VerifyResult]`` (see DraftService), and ``drafts: bool``,
+    # True when the target holds the draft proposer and takes a step's ``propose`` rows (TargetStep).
 
     def release(self, slots: list[int]) -> None: ...
 

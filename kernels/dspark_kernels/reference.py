@@ -254,12 +254,12 @@ def logits_to_probs(
     N, V = logits.shape
     scaled = logits.float() / temperature.float()[:, None]  # [N, V]
     truncates = ((top_k > 0) & (top_k < V)) | (top_p.float() < 1.0)  # [N]
-    if not bool(truncates.any()):
-        return torch.softmax(scaled, dim=-1)
     if bool(truncates.all()):
         return _truncated_probs(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     rows = truncates.nonzero()[:, 0]
+    if rows.numel() == 0:
+        return probs
     probs[rows] = _truncated_probs(scaled[rows], top_k[rows], top_p[rows])
     return probs
 
