@@ -62,7 +62,7 @@ def output_lengths(max_tokens: int, range_ratio: float, n: int, seed: int = 0) -
 
 def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int, range_ratio: float = 0.0) -> float:
     """Tokens a second with ``batch`` requests always in flight (see the module docstring); the i-th
-    request asks for ``output_lengths(max_tokens, range_ratio, ...)[i]`` tokens."""
+    request asks for ``output_lengths(max_tokens, range_ratio, n)[i % n]`` tokens, n = batch * (cycles + 2)."""
     engine = llm.engine
     prompts = load_prompts(batch * (cycles + 2))
     lengths = output_lengths(max_tokens, range_ratio, len(prompts))
