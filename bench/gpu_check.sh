@@ -44,7 +44,7 @@ step tests 240 "$py" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/tes
     tests/test_model_fp8.py::test_cuda_fp8_gemm_matches_its_reference \
     tests/test_memory_plan.py::test_on_cuda_the_pool_is_sized_from_memory_and_a_hopeless_deployment_is_refused_before_loading
 step paged_attention 120 "$py" bench/paged_attention.py
-step spec 200 "$py" bench/spec.py --device cuda --no-transformers --batches 1 8 32 64 --max-tokens 64 --threads 4 --cuda-graphs
+step spec 200 "$py" bench/spec.py --device cuda --no-transformers --batches 1 8 32 64 --max-tokens 64 --threads 4 --eager-draft
 step spec_paged 90 "$py" bench/spec.py --device cuda --no-transformers --batches 32 64 --max-tokens 64 \
     --threads 4 --paged-attention
 step kernels 100 "$py" bench/kernel_timings.py

@@ -5,7 +5,7 @@
     .venv/bin/python bench/spec.py --rounds 5       # each row the median of 5 interleaved rounds
     python bench/spec.py --device cuda --no-transformers      # on a GPU box
     python bench/spec.py --device cuda --no-transformers --paged-attention  # the Triton paged kernel
-    python bench/spec.py --device cuda --no-transformers --cuda-graphs      # + a row with the draft's graphs
+    python bench/spec.py --device cuda --no-transformers --eager-draft      # + the draft without its CUDA graphs
 
 Every configuration generates a fixed number of tokens (ignore_eos) from
 held-out prompts, greedily. Batch 1 runs several prompts one after another;
@@ -50,10 +50,59 @@ class DraftClock:
             self.calls += 1
 
 
+class StepClock:
+    """Wraps ``Engine.step``: sums the engine's own phase timings (``Engine.timings``) over the steps
+    that ran rows, so a row can say where a step's time went (host wall time: on CUDA a phase that
+    waits for the device holds the kernels queued before it)."""
+
+    PHASES = ("schedule", "propose", "verify", "commit")
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.step = self.engine.step
+        self.engine.step = self
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def __call__(self):
+        out = self.step()
+        t = self.engine.timings
+        if t.rows:
+            self.steps += 1
+            for phase in self.PHASES:
+                self.seconds[phase] += getattr(t, phase)
+        return out
+
+    def close(self) -> dict[str, float]:
+        """Restores ``Engine.step``; ms per step of each phase, and ``steps``."""
+        del self.engine.step
+        per = {phase: 1000 * s / max(self.steps, 1) for phase, s in self.seconds.items()}
+        return {**per, "steps": self.steps}
+
+
+PHASES: dict[int, dict[str, float]] = {}  # id(row) -> StepClock.close() of the run that made it
+
+
+def phase_table(rows: list[Row]) -> str:
+    """Markdown: ms per engine step in each phase, for the rows whose phases were measured."""
+    lines = ["| system | batch | steps | ms / step | " + " | ".join(StepClock.PHASES) + " | tokens / step |",
+             "|---|---:|---:|---:|" + "---:|" * (len(StepClock.PHASES) + 1)]
+    for r in rows:
+        p = PHASES.get(id(r))
+        if p is None or not p["steps"]:
+            continue
+        total = sum(p[phase] for phase in StepClock.PHASES)
+        lines.append(f"| {r.system} | {r.batch} | {p['steps']:.0f} | {total:.2f} | "
+                     + " | ".join(f"{p[phase]:.2f}" for phase in StepClock.PHASES)
+                     + f" | {r.output_tokens / p['steps']:.2f} |")
+    return "\n".join(lines)
+
+
 def run_dspark(llm: LLM, batch: int, repeats: int, max_tokens: int, label: str) -> Row:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate(load_prompts(batch), params)  # warm-up
     clock = DraftClock(llm) if llm.engine.draft is not None else None
+    steps = StepClock(llm)
     tokens, seconds, acc = 0, 0.0, []
     prompts = load_prompts(batch * repeats)
     try:
@@ -66,8 +115,11 @@ def run_dspark(llm: LLM, batch: int, repeats: int, max_tokens: int, label: str) 
     finally:
         if clock is not None:
             clock.draft.propose = clock.propose
+        phases = steps.close()
     cost = 1000 * clock.seconds / clock.calls if clock is not None and clock.calls else None
-    return Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None, cost)
+    row = Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None, cost)
+    PHASES[id(row)] = phases
+    return row
 
 
 def run_transformers(prompts: list[str], max_tokens: int, k: int) -> list[Row]:
@@ -111,9 +163,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's (bf16) on CUDA")
     ap.add_argument("--paged-attention", action="store_true",
                     help="on CUDA, the target attends with the Triton paged kernel instead of gather + SDPA")
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="on CUDA, also run speculation with the draft's drafting passes as CUDA graphs at padded "
-                         "batch sizes (draft_proposer.CUDA_GRAPHS), beside the same engine without them")
+    ap.add_argument("--eager-draft", action="store_true",
+                    help="on CUDA, also run the independent draft with its drafting passes launched eagerly "
+                         "(cuda_graphs=False), beside the default engines, which replay them as CUDA graphs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.paged_attention:
@@ -137,13 +189,9 @@ def main() -> None:
             specs.append((f"dspark_ray, DSpark block draft, {k_label}, no confidence cut",
                           LLM(str(TARGET), args.dspark_draft, num_speculative_tokens=args.k,
                               confidence_verification=False, **common)))
-    graphs = None
-    if args.cuda_graphs and args.device != "cpu":
-        from dspark_ray.engine import draft_proposer
-
-        draft_proposer.CUDA_GRAPHS = True  # read when a proposer is built: only this one has graphs
-        graphs = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, **common)
-        draft_proposer.CUDA_GRAPHS = False
+    eager = None
+    if args.eager_draft and args.device != "cpu" and not args.no_independent:
+        eager = LLM(str(TARGET), str(DRAFT), num_speculative_tokens=args.k, cuda_graphs=False, **common)
     rows, baseline = [], {}
     systems = [("dspark_ray, no speculation", base)] + specs
     for b in args.batches:
@@ -153,16 +201,18 @@ def main() -> None:
                 for _ in range(args.rounds)]
         added = [sorted(column, key=lambda r: r.tokens_per_s)[len(column) // 2] for column in zip(*runs)]
         baseline[b] = added[0]
-        if graphs is not None:
-            added.append(run_dspark(graphs, b, repeats, args.max_tokens,
-                                    f"dspark_ray, independent draft, {k_label}, draft CUDA graphs"))
+        if eager is not None:
+            added.append(run_dspark(eager, b, repeats, args.max_tokens,
+                                    f"dspark_ray, independent draft, {k_label}, no draft CUDA graphs"))
         rows += added
         print(table(added, baseline).split("\n", 2)[2], flush=True)
     if 1 in args.batches and not args.no_transformers and args.device == "cpu":
         rows += run_transformers(load_prompts(args.repeats_at_1), args.max_tokens, args.k)
     attention = "the paged kernel" if args.paged_attention and args.device != "cpu" else "gather + SDPA"
     md = (f"Machine: {machine(args.device)}, dtype {args.dtype}, target attention: {attention}; "
-          f"{args.max_tokens} greedy tokens per request from held-out prompts.\n\n" + table(rows, baseline))
+          f"{args.max_tokens} greedy tokens per request from held-out prompts.\n\n" + table(rows, baseline)
+          + "\n\nWhere an engine step's time went (ms per step that ran rows; the engine's own phase timings; "
+          "propose is the draft, verify the target's pass and acceptance):\n\n" + phase_table(rows))
     print("\n" + md)
     name = "spec-cuda" + ("-paged" if args.paged_attention else "") if args.device != "cpu" else "spec"
     save(name, rows, md, args.device)

@@ -80,3 +80,19 @@ def test_a_padded_pass_clears_what_a_larger_batch_left_in_its_buffers(shipped_dr
     assert out.shape == (1, model.config.vocab_size)
     assert run.slots.tolist() == [4, 0, 0, 0] and run.fed.tolist() == [True, False, False, False]
     assert run.positions.tolist() == [0, -1, -1, -1]
+
+
+def test_cuda_graphs_setting_reaches_the_proposer_and_changes_nothing_on_cpu(shipped_draft, shipped_target):
+    """``cuda_graphs`` (on by default) goes from the Serve config to the engine config and the
+    proposer; off CUDA a proposer built with it neither pads nor captures."""
+    from dspark_ray.engine.config import EngineConfig
+    from dspark_ray.engine.local import make_draft_proposer
+    from dspark_ray.serve.config import AppConfig
+
+    app = dict(model=str(shipped_target), draft=str(shipped_draft))
+    assert AppConfig(**app).engine_config().cuda_graphs
+    assert not AppConfig(**app, cuda_graphs=False).engine_config().cuda_graphs
+    config = EngineConfig(model=str(shipped_target), draft=str(shipped_draft), capacity=CAPACITY)
+    assert config.cuda_graphs
+    proposer = make_draft_proposer(config, None)
+    assert not proposer.cuda_graphs and proposer.pad_batches == ()

@@ -77,23 +77,42 @@ def test_seeded_sampling_on_cuda_is_batch_independent(engines):
     assert alone.token_ids != greedy.token_ids  # it really sampled
 
 
-def test_draft_cuda_graphs_change_no_output(engines, monkeypatch):
-    """The draft's drafting passes captured as CUDA graphs at padded batch sizes (issue 20,
-    draft_proposer.CUDA_GRAPHS): greedy output equals the target's own, seeded sampled output
-    equals the uncaptured engine's, and both sizes a mixed batch pads to were captured."""
+def test_draft_cuda_graphs_change_no_output(engines):
+    """The draft's drafting passes replayed as CUDA graphs at padded batch sizes (``cuda_graphs``, on by
+    default): greedy output equals the target's own, seeded sampled output equals an engine whose
+    passes run eagerly, and both sizes a mixed batch pads to were captured."""
     from dspark_ray import LLM, SamplingParams
-    from dspark_ray.engine import draft_proposer
 
-    monkeypatch.setattr(draft_proposer, "CUDA_GRAPHS", True)
-    graphs = LLM(str(SHIPPED_TARGET), str(SHIPPED_DRAFT), device="cuda", num_speculative_tokens=4,
-                 max_context=512, capacity=16, max_num_seqs=16, dtype="float32")
+    graphs = engines["cuda_spec"]
+    eager = LLM(str(SHIPPED_TARGET), str(SHIPPED_DRAFT), device="cuda", num_speculative_tokens=4,
+                max_context=512, capacity=16, max_num_seqs=16, dtype="float32", cuda_graphs=False)
     greedy = SamplingParams(max_tokens=48, ignore_eos=True)
     got = graphs.generate(PROMPTS, greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in engines["cuda_plain"].generate(PROMPTS, greedy)]
     assert graphs.generate(PROMPTS[0], greedy)[0].token_ids == got[0].token_ids  # one row: another size
     sampled = [SamplingParams(max_tokens=40, temperature=0.8, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
     assert ([o.token_ids for o in graphs.generate(PROMPTS, sampled)]
-            == [o.token_ids for o in engines["cuda_spec"].generate(PROMPTS, sampled)])
+            == [o.token_ids for o in eager.generate(PROMPTS, sampled)])
     proposer = graphs.engine.draft
     assert proposer.cuda_graphs and len(proposer._padded) >= 2
     assert all(p.graph is not None for p in proposer._padded.values())
+    assert not eager.engine.draft.cuda_graphs and not eager.engine.draft._padded
+
+
+def test_paged_kernel_in_the_engine_changes_no_greedy_output(engines, monkeypatch):
+    """The target attending through the compiled Triton paged kernel (``target_runner.PAGED_KERNEL``,
+    off by default) instead of gather + SDPA: float32 greedy output, with and without speculation,
+    is the gather path's, token for token."""
+    from dspark_kernels import ops
+    from dspark_ray import SamplingParams
+    from dspark_ray.engine import target_runner
+
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    gathered = [o.token_ids for o in engines["cuda_plain"].generate(PROMPTS, params)]
+    launches = []
+    kernel = ops.paged_attention
+    monkeypatch.setattr(ops, "paged_attention", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(target_runner, "PAGED_KERNEL", True)  # read by every step's attention
+    assert [o.token_ids for o in engines["cuda_plain"].generate(PROMPTS, params)] == gathered
+    assert [o.token_ids for o in engines["cuda_spec"].generate(PROMPTS, params)] == gathered
+    assert launches  # the kernel really ran

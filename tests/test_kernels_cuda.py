@@ -218,4 +218,17 @@ def test_markov_sample_matches_reference(triton_only, batch, steps, vocab, rank,
     # every row agrees token for token, and where it does q agrees within rounding.
     same = (got_tokens == want_tokens).all(dim=1)
     assert same.float().mean() >= 0.9
-    torch.testing.assert_close(got_q[same], want_q[same], rtol=1e-4, atol=1e-6)
+    got_q, want_q = got_q[same], want_q[same]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_q, want_q, rtol=1e-4, atol=1e-6)
+        return
+    # In a narrow dtype the bias w2 @ w1[prev] is rounded to that dtype after a float32 product
+    # that the kernel and cuBLAS sum in different orders, so an entry whose product lies at a
+    # rounding boundary rounds one step apart (seen on an H200: 4 of 14,336,000 entries, q off by
+    # 2.0%, one bfloat16 step of a bias near 3 at temperature 0.8). Nearly every entry agrees within
+    # float32 rounding, and each of the rest within one step of a bias |b| < 8 (these weights'
+    # products are ~N(0, 1)): relative q error <= eps(dtype) * 8 / T.
+    close = torch.isclose(got_q, want_q, rtol=1e-4, atol=1e-6)
+    assert (~close).sum().item() <= 1e-5 * close.numel(), (~close).sum().item()
+    one_step = torch.finfo(dtype).eps * 8 / 0.8
+    torch.testing.assert_close(got_q, want_q, rtol=one_step, atol=1e-6)

@@ -558,7 +558,13 @@ def test_cuda_fp8_gemm_matches_its_reference(tmp_path, monkeypatch):
         with torch.no_grad():
             got = cuda(ids.to(device)).float().cpu()
             expected = load_as_on_cuda(tmp_path / "fp8", monkeypatch, dtype=dtype)(ids)
-        # float32: the same operands, only the accumulation order differs. bfloat16: the activations'
-        # rounding differs between the two devices' kernels, which this random model amplifies.
-        error = relative_error(got, expected)
-        assert error < (1e-3 if dtype == "float32" else 0.2), (dtype, error)
+            dequantised = load(tmp_path / "fp8", dtype=dtype)(ids)  # CPU: FP8 weights, activations unquantised
+        # Every linear quantises its input to FP8 (3 mantissa bits), so an activation at a rounding
+        # boundary moves a whole FP8 step when the two devices' kernels (attention, norms, the
+        # matmuls' sums) round it a float32 ulp apart, and this random model carries that on: on
+        # CPU, noise of 1e-7 on the embeddings moves the float32 logits by 2.2%, and on an H200 the
+        # CUDA model was 4.4% from the CPU one. So the bound is what quantising the activations
+        # itself moves the model (8.1% here): the CUDA model is nearer its CPU reference than that.
+        # bfloat16: the activations' own rounding differs between the devices too.
+        error, quantisation = relative_error(got, expected), relative_error(expected, dequantised)
+        assert error < (quantisation if dtype == "float32" else 0.2), (dtype, error, quantisation)

@@ -44,6 +44,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CUDA: the share of each GPU's memory this replica may use (weights, KV pool, workspace).
     memory_utilization: float = 0.9
+    # CUDA: the independent draft's one-token drafting passes replayed as CUDA graphs at padded batch
+    # sizes (engine/draft_proposer.py); no effect on CPU.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:

@@ -124,7 +124,7 @@ def make_draft_proposer(config: EngineConfig, vocab_limit: int | None,
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
     grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))
     return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit, grammars,
-                         ahead=config.draft_ahead)
+                         cuda_graphs=config.cuda_graphs, ahead=config.draft_ahead)
 
 
 class LocalServices:

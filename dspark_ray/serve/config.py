@@ -89,6 +89,12 @@ class AppConfig(BaseModel):
         "here, on cuda by each target shard before it loads weights. Lower it when other processes share the "
         "device; raise it (at most 1) for a larger KV pool.",
     )
+    cuda_graphs: bool = Field(
+        True, description="On cuda, the independent draft's one-token drafting passes run as CUDA graphs "
+        "captured at padded batch sizes (1, 2, 4 ... 64 rows), one launch per pass instead of one per kernel: "
+        "on an H200 the draft's time per step fell 2-3x with output unchanged (README, On a GPU). No effect "
+        "on cpu. false: every pass launches its kernels eagerly.",
+    )
     max_num_seqs: int = Field(32, ge=1, description="Requests in one engine step.")
     max_num_batched_tokens: int = Field(
         4096, ge=1, description="Target tokens fed per step. Decode rows go first; prompts take the rest and "
@@ -383,4 +389,5 @@ class AppConfig(BaseModel):
             draft_ahead=self.draft_ahead and self.draft_placement == "worker",
             enable_prefix_caching=self.enable_prefix_caching,
             memory_utilization=self.memory_utilization,
+            cuda_graphs=self.cuda_graphs,
         )
