@@ -3,6 +3,7 @@
     .venv/bin/python bench/steady.py                       # independent draft, batch 1 8 32 64
     .venv/bin/python bench/steady.py --draft models/shakespeare-dspark --batches 8 32
     .venv/bin/python bench/steady.py --rounds 3
+    python bench/steady.py --device cuda --range-ratio 0.5          # on a GPU box (bfloat16, the checkpoint's)
 
 bench/spec.py and bench/adaptive.py run closed batches: B requests start
 together and the batch ends with its slowest one. With speculation requests
@@ -91,6 +92,24 @@ def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int, rang
     return tokens / seconds
 
 
+def adaptive_state(llm: LLM, batch: int) -> str:
+    """What adaptive speculation believes at ``batch``'s bucket: its step-time estimate per k (ms; the
+    measured cells and the fitted line), the steps each k was chosen so far, and the population's
+    expected tokens per step for every k."""
+    from dspark_ray.engine.adaptive import bucket
+
+    engine = llm.engine
+    controller = engine.spec_controller
+    if controller is None or bucket(batch) not in controller.table:
+        return f"adaptive at batch {batch}: nothing measured"
+    b = bucket(batch)
+    cells = controller.table[b]
+    measured = " ".join(f"k={k}:{1000 * c.seconds:.1f}ms/{c.n}" if c.n else f"k={k}:-" for k, c in enumerate(cells))
+    fitted = " ".join("-" if t is None else f"{1000 * t:.1f}" for t in controller.step_times(b))
+    return (f"adaptive at batch {batch} (bucket {b}): measured {measured}; fitted ms {fitted}; "
+            f"steps by k so far {dict(sorted(controller.chosen.items()))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=str(DRAFT))
@@ -103,15 +122,17 @@ def main() -> None:
                          "speculation: module docstring)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (dtype auto: float32 on CPU, the checkpoint's on CUDA)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    common = dict(max_context=512, capacity=max(args.batches) + 1, max_num_seqs=max(args.batches))
+    common = dict(max_context=512, capacity=max(args.batches) + 1, max_num_seqs=max(args.batches), device=args.device)
     systems = [("k=0", LLM(str(TARGET), None, **common))]
     systems += [(f"k={k}", LLM(str(TARGET), args.draft, num_speculative_tokens=k, adaptive_speculation=False,
                                **common)) for k in range(1, args.k + 1)]
     systems.append(("adaptive", LLM(str(TARGET), args.draft, num_speculative_tokens=args.k, **common)))
     names = [n for n, _ in systems]
-    lines = [f"Draft: {args.draft}; {args.threads} torch threads; {args.max_tokens} greedy tokens per request"
+    where = torch.cuda.get_device_name() if args.device != "cpu" else f"{args.threads} torch threads"
+    lines = [f"Draft: {args.draft}; {where}; {args.max_tokens} greedy tokens per request"
              f"{f' (each uniform in +-{args.range_ratio:.0%})' if args.range_ratio else ''}; "
              f"median of {args.rounds} interleaved rounds, tok/s at a steady load.", "",
              "| batch | " + " | ".join(names) + " | adaptive / no spec | adaptive / best static |",
@@ -125,6 +146,9 @@ def main() -> None:
             for n, llm in order:
                 runs[n].append(steady_tokens_per_s(llm, b, args.cycles, args.max_tokens, args.range_ratio))
         med = {n: sorted(v)[len(v) // 2] for n, v in runs.items()}
+        print(f"batch {b}, every round: " + "; ".join(f"{n} " + " ".join(f"{x:.1f}" for x in v)
+                                                     for n, v in runs.items()), flush=True)
+        print(adaptive_state(systems[-1][1], b), flush=True)
         best = max(med[n] for n in names[1:-1])
         lines.append(f"| {b} | " + " | ".join(f"{med[n]:.1f}" for n in names)
                      + f" | {med['adaptive'] / med['k=0']:.2f}x | {med['adaptive'] / best:.2f}x |")
