@@ -21,10 +21,11 @@ overhead and off by default). On CUDA the fixed sizes are what CUDA graphs
 need: with ``cuda_graphs`` (``EngineConfig.cuda_graphs``, on by default) each
 size's pass is captured once over static buffers and replayed, so a pass
 costs one graph launch instead of a launch per kernel. Checked on an H200
-(fourteenth session, bench/gpu_check.sh): output unchanged
-(tests/test_engine_cuda.py), the draft's time per step 9.1 -> 3.2 ms at batch
-1 and 7.9 -> 3.6 at 8, the engine 1.22-1.43x faster at batch 1-8. The
-catch-up pass (a varying number of tokens per row) stays eager.
+(fourteenth session, bench/gpu_check.sh and bench/spec.py --eager-draft):
+output unchanged (tests/test_engine_cuda.py); over two runs the draft's time
+per step fell 9.1 -> 3.2 and 6.9 -> 3.4 ms at batch 1, and the engine ran
+1.28-1.49x as fast at batch 1-8. The catch-up pass (a varying number of
+tokens per row) stays eager.
 
 NOTE: drafting ahead (``ahead``; the served draft worker, ``draft_ahead``).
 With one request in flight the served engine drafts it in one step and
