@@ -32,6 +32,9 @@ class Row:
     seconds: float
     mean_acceptance_length: float | None = None
     draft_ms_per_step: float | None = None  # wall time in the draft service per engine step that drafted
+    # ms per engine step in each of the engine's phases (schedule, propose, verify, commit) and the steps
+    # counted ("steps"), over the steps that ran rows; None: not measured
+    phases: dict[str, float] | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -80,16 +80,13 @@ class StepClock:
         return {**per, "steps": self.steps}
 
 
-PHASES: dict[int, dict[str, float]] = {}  # id(row) -> StepClock.close() of the run that made it
-
-
 def phase_table(rows: list[Row]) -> str:
     """Markdown: ms per engine step in each phase, for the rows whose phases were measured."""
     lines = ["| system | batch | steps | ms / step | " + " | ".join(StepClock.PHASES) + " | tokens / step |",
              "|---|---:|---:|---:|" + "---:|" * (len(StepClock.PHASES) + 1)]
     for r in rows:
-        p = PHASES.get(id(r))
-        if p is None or not p["steps"]:
+        p = r.phases
+        if not p or not p["steps"]:
             continue
         total = sum(p[phase] for phase in StepClock.PHASES)
         lines.append(f"| {r.system} | {r.batch} | {p['steps']:.0f} | {total:.2f} | "
@@ -117,9 +114,7 @@ def run_dspark(llm: LLM, batch: int, repeats: int, max_tokens: int, label: str) 
             clock.draft.propose = clock.propose
         phases = steps.close()
     cost = 1000 * clock.seconds / clock.calls if clock is not None and clock.calls else None
-    row = Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None, cost)
-    PHASES[id(row)] = phases
-    return row
+    return Row(label, batch, tokens, seconds, sum(acc) / len(acc) if acc else None, cost, phases)
 
 
 def run_transformers(prompts: list[str], max_tokens: int, k: int) -> list[Row]:

@@ -93,9 +93,8 @@ def steady_tokens_per_s(llm: LLM, batch: int, cycles: int, max_tokens: int, rang
 
 
 def adaptive_state(llm: LLM, batch: int) -> str:
-    """What adaptive speculation believes at ``batch``'s bucket: its step-time estimate per k (ms; the
-    measured cells and the fitted line), the steps each k was chosen so far, and the population's
-    expected tokens per step for every k."""
+    """What adaptive speculation believes at ``batch``'s bucket: its step time per k (ms; each measured
+    cell with its step count, and the fitted line it decides by) and the steps each k was chosen so far."""
     from dspark_ray.engine.adaptive import bucket
 
     engine = llm.engine
