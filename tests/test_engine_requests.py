@@ -20,6 +20,7 @@ import pytest
 from dspark_ray import LLM
 from dspark_ray.engine import InvalidRequest, SamplingParams
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
+from dspark_ray.slots import SlotRegistry
 from engine_fixtures import (  # noqa: F401 - fixtures
     Collected,
     TinyModels,
@@ -307,6 +308,41 @@ def test_abort(tiny_models):
     collect(engine, results, engine.step())
     assert results[b].finished and results[b].finish_reason == "abort"
     assert_drained(engine, 3)
+
+
+class ReleaseLog(SlotRegistry):
+    """The real registry, also offering the release the slot manager's Ray facade sends without
+    waiting (``release_many_nowait``); records which way each release went."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.released: list[tuple[str, list[str]]] = []
+
+    def release_many(self, req_ids_with_epochs):
+        items = list(req_ids_with_epochs)
+        self.released.append(("waited", [r for r, _ in items]))
+        return super().release_many(items)
+
+    def release_many_nowait(self, req_ids_with_epochs) -> None:
+        items = list(req_ids_with_epochs)
+        self.released.append(("sent", [r for r, _ in items]))
+        super().release_many(items)
+
+
+def test_releases_are_not_waited_for_while_other_requests_run(tiny_models):
+    """A request that ends beside others has its slot released without a wait on the step path;
+    the last release before the engine idles is waited for, so an idle engine holds nothing."""
+    params = [SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)]
+    expected = generate(make_engine(tiny_models.target, tiny_models.drafts["near"], capacity=4),
+                        [PROMPT, [7, 8]], params)
+    engine = make_engine(tiny_models.target, tiny_models.drafts["near"], capacity=4)
+    engine.slots = log = ReleaseLog(4)
+    short, long = (engine.add_request(p, sp) for p, sp in zip([PROMPT, [7, 8]], params))
+    results = run_all(engine)
+    assert [results[short].token_ids, results[long].token_ids] == [c.token_ids for c in expected]
+    assert log.released == [("sent", [short]), ("waited", [long])]
+    assert log.snapshot().live == ()
+    assert_drained(engine, 2)
 
 
 # -- fault injection ---------------------------------------------------------------------------

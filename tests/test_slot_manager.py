@@ -208,6 +208,36 @@ class SlowTarget:
         return self.inner.step(batch)
 
 
+def test_releases_not_waited_for_reach_the_manager_before_the_next_call(cluster, caplog):
+    """The engine sends releases without waiting for the answer while other requests run
+    (``release_many_nowait``). Ray runs one caller's calls in the order sent, so with every slot
+    held an admission right after such a release gets the freed slot, every time; a release to a
+    dead manager is logged, not raised (the heartbeat reclaims the slot)."""
+    from dspark_ray.serve.actors import RaySlots
+    from dspark_ray.slots import ReplicaSlots
+
+    manager = start_slot_manager(2, app_name="nowait")
+    slots = ReplicaSlots(RaySlots(manager, timeout_s=10), rows=2, app_capacity=2)
+    held = {lease.req_id: lease for lease in slots.allocate_many(["r0", "keep"], owner="o")}
+    for i in range(1, 30):
+        gone = held.pop(f"r{i - 1}")
+        slots.release_many_nowait([(gone.req_id, gone.epoch)])
+        assert slots.in_use() == 1  # the row is free at once
+        (lease,) = slots.allocate_many([f"r{i}"], owner="o")  # raises SlotsExhausted if it came first
+        held[lease.req_id] = lease
+    snap = ray.get(manager.snapshot.remote())
+    assert {h.lease.req_id for h in snap.live} == {"r29", "keep"}
+    assert snap.counters.releases == 29 and snap.counters.stale_releases == 0
+    ray.kill(manager, no_restart=True)
+    with caplog.at_level("WARNING", logger="dspark_ray.serve.actors"):
+        slots.release_many_nowait([("keep", held["keep"].epoch)])
+        deadline = time.monotonic() + 30
+        while "slot release failed" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "slot release failed" in caplog.text
+    assert slots.in_use() == 1  # r29; keep's row went whatever the manager answered
+
+
 def test_a_step_longer_than_the_owner_timeout_keeps_its_leases(cluster, serve_models):
     """The heartbeat goes out between steps; a step that runs past the manager's owner timeout must
     not get the live owner's leases reclaimed (the engine loop's keepalive): the lease stays held

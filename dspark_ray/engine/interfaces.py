@@ -227,6 +227,9 @@ class SlotService(Protocol):
 
     def release_many(self, req_ids_with_epochs: Iterable[tuple[str, int | None]]) -> list[bool]: ...
 
+    # Optional: ``release_many_nowait(req_ids_with_epochs) -> None``, the releases sent without waiting
+    # for the answer (the slot manager's actor); the engine uses it while other requests still run.
+
     def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
         """Heartbeat: the leases ``owner`` holds (restores them after a restart, frees others)."""
         ...

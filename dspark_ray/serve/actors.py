@@ -312,6 +312,23 @@ class RaySlots:
     def release_many(self, req_ids_with_epochs) -> list[bool]:
         return self._call("release_many", list(req_ids_with_epochs))
 
+    def release_many_nowait(self, req_ids_with_epochs) -> None:
+        """Send the releases and return without waiting for the manager's answer.
+
+        Ray runs one caller's calls to an actor in the order they were sent,
+        so this replica's next ``allocate_many`` (or ``sync``) finds these
+        slots free. A release that fails (the manager restarting) is logged;
+        its slot is reclaimed by the next heartbeat, which no longer reports
+        the lease.
+        """
+        items = list(req_ids_with_epochs)
+        try:
+            ref = self.manager.release_many.remote(items)
+        except Exception:  # noqa: BLE001 - the heartbeat reclaims what was not released
+            log.warning("slot release not sent; the next heartbeat frees %d slot(s)", len(items), exc_info=True)
+            return
+        ref.future().add_done_callback(_log_failed_release)
+
     def set_draining(self, draining: bool) -> bool:
         return self._call("set_draining", draining)
 
@@ -336,6 +353,11 @@ class RaySlots:
                 if time.monotonic() >= deadline:
                     raise SlotServiceUnavailable(f"slot manager unavailable for {self.timeout_s}s: {exc}") from exc
                 time.sleep(0.2)
+
+
+def _log_failed_release(done) -> None:
+    if done.exception() is not None:
+        log.warning("slot release failed; the next heartbeat frees the slot(s): %r", done.exception())
 
 
 class ReplicaServices:

@@ -104,11 +104,25 @@ class ReplicaSlots:
         the manager is reclaimed by the next ``sync``, which no longer reports it.
         """
         items = list(req_ids_with_epochs)
+        self._drop_rows(items)
+        return self.slots.release_many(items)
+
+    def _drop_rows(self, items: list[tuple[str, int | None]]) -> None:
         for req_id, epoch in items:
             held = self._held.get(req_id)
             if held is not None and epoch in (None, held.lease.epoch):
                 self._drop(held)
-        return self.slots.release_many(items)
+
+    def release_many_nowait(self, req_ids_with_epochs: Iterable[tuple[str, int | None]]) -> None:
+        """``release_many`` without waiting for the slot manager, where the service can send without
+        waiting (``release_many_nowait``: the Ray facade); otherwise ``release_many``."""
+        items = list(req_ids_with_epochs)
+        nowait = getattr(self.slots, "release_many_nowait", None)
+        if nowait is None:
+            self.release_many(items)
+            return
+        self._drop_rows(items)
+        nowait(items)
 
     def sync(self, owner: str, leases: list[SlotLease]) -> SyncResult:
         """The heartbeat, translated: ``leases`` (rows) are what the engine holds.
