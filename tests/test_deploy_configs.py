@@ -28,14 +28,17 @@ def test_local_configs_validate_with_the_shipped_pair(name, tp):
 def test_local_configs_differ_only_in_tensor_parallelism_and_threads():
     """The TP=2 demo runs two shards on the one machine: one thread each and no binding (two processes
     bound by OMP_PROC_BIND would share the first cores), the draft in a worker of its own. The default
-    is one process, the draft inside it, its threads bound and spinning between steps."""
+    is one process, the draft inside it, its threads bound and spinning between steps, steps of up to
+    16 rows on one thread."""
     one, two = app_args("dspark.yaml"), app_args("dspark-tp2.yaml")
-    threading = {"torch_threads", "draft_placement", "worker_env_vars"}
+    threading = {"torch_threads", "draft_placement", "worker_env_vars", "single_thread_max_rows"}
     assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", *threading}
-    assert set(one) - set(two) == {"draft_placement", "worker_env_vars"} and set(two) <= set(one)
+    assert set(one) - set(two) == {"draft_placement", "worker_env_vars", "single_thread_max_rows"}
+    assert set(two) <= set(one)
     assert two["torch_threads"] == 1 and one["draft_placement"] == "target"
-    assert AppConfig(**one).worker_env_vars == {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores",
+    assert AppConfig(**one).worker_env_vars == {"OMP_PROC_BIND": "true", "OMP_PLACES": "{1},{0}",
                                                 "GOMP_SPINCOUNT": "30000000"}
+    assert AppConfig(**one).single_thread_max_rows == 16 and AppConfig(**two).single_thread_max_rows == 0
     assert AppConfig(**two).worker_env_vars == {} and AppConfig(**two).draft_placement == "worker"
 
 

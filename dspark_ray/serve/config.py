@@ -118,6 +118,12 @@ class AppConfig(BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads in each shard and the proposer.")
+    single_thread_max_rows: int = Field(
+        0, ge=0, description="Steps of at most this many rows (requests) run on one torch thread, larger ones "
+        "on torch_threads; 0: every step on torch_threads. Where the workers share a few cores with the replica, "
+        "Ray and the clients, a small step's second thread mostly waits at OpenMP's barriers for a core another "
+        "process took, and one thread leaves that core to them (README, Performance).",
+    )
     step_timeout_factor: float = Field(
         10.0, ge=1, description="A worker that has not answered a step within this many times the slowest of "
         "its last 64 steps (and at least step_timeout_floor_s, at most worker_call_timeout_s) is handled as "

@@ -133,8 +133,20 @@ class TorchThread:
 class _ChannelWorker:
     """Opens channels for the replica (one per call of ``open_channel``); owns the torch thread."""
 
-    def __init__(self, torch_threads: int, spin_s: float = 0.0) -> None:
+    def __init__(self, torch_threads: int, spin_s: float = 0.0, single_thread_max_rows: int = 0) -> None:
         self.torch = TorchThread(torch_threads, spin_s=spin_s)
+        self.torch_threads, self.single_thread_max_rows = torch_threads, single_thread_max_rows
+        self._threads = torch_threads  # what the torch thread runs on now
+
+    def _threads_for(self, rows: int) -> int:
+        """On the torch thread, before a step of ``rows`` rows: one torch thread for a step of at most
+        ``single_thread_max_rows`` rows, else ``torch_threads`` (AppConfig.single_thread_max_rows).
+        Returns the count the step runs on."""
+        want = 1 if rows <= self.single_thread_max_rows else self.torch_threads
+        if want != self._threads:
+            torch.set_num_threads(want)
+            self._threads = want
+        return want
 
     def open_channel(self, authkey: bytes) -> tuple[str, int]:
         """Listen for one connection on this node's IP; returns the address to connect to."""
@@ -145,8 +157,8 @@ class TargetShard(_ChannelWorker):
     """Rank ``rank`` of the target: its shard of the weights, its KV pool, its table."""
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int,
-                 replica: str = "", spin_s: float = 0.0) -> None:
-        super().__init__(torch_threads, spin_s)
+                 replica: str = "", spin_s: float = 0.0, single_thread_max_rows: int = 0) -> None:
+        super().__init__(torch_threads, spin_s, single_thread_max_rows)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
         self.proposer = None  # rank 0 with draft_placement "target"
@@ -212,6 +224,7 @@ class TargetShard(_ChannelWorker):
         """Verify one step; returns the result and the seconds this rank spent in all-reduces. A step
         with ``propose`` rows (this rank holds the proposer) is drafted here first (``_draft_into``)."""
         start = time.perf_counter()
+        self._threads_for(len(batch.rows))
         drafted = None
         if batch.propose is not None:
             batch, drafted = self._draft_into(batch)
@@ -264,10 +277,11 @@ class TargetShard(_ChannelWorker):
 class DraftWorker(_ChannelWorker):
     """The draft model, its window cache and kernels."""
 
-    def __init__(self, config: EngineConfig, torch_threads: int, spin_s: float = 0.0) -> None:
+    def __init__(self, config: EngineConfig, torch_threads: int, spin_s: float = 0.0,
+                 single_thread_max_rows: int = 0) -> None:
         from dspark_ray.engine.local import make_draft_proposer
 
-        super().__init__(torch_threads, spin_s)
+        super().__init__(torch_threads, spin_s, single_thread_max_rows)
         self.proposer = self.torch.call(make_draft_proposer, config, Tokenizer.from_path(config.model).vocab_size)
         if config.draft_ahead and hasattr(self.proposer, "draft_ahead"):  # an independent draft
             self.torch.idle = self.proposer.draft_ahead
@@ -286,6 +300,7 @@ class DraftWorker(_ChannelWorker):
         return dict(self.inbox.counts) if self.inbox is not None else {}
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
+        self._threads_for(len(rows))
         if self.inbox is not None:
             rows = self.inbox.take(rows)
         return self.proposer.propose(rows)
