@@ -213,7 +213,12 @@ class TargetShard(_ChannelWorker):
         return self.runner.kv_capacity()
 
     def propose(self, rows: list[ProposeRow]) -> Proposal:
-        """The draft's proposal, when this rank holds the proposer (``setup(with_draft=True)``)."""
+        """The draft's proposal, when this rank holds the proposer (``setup(with_draft=True)``): a call of
+        its own (rows with a grammar), on as many threads as a step of these rows."""
+        self._threads_for(len(rows))
+        return self._propose(rows)
+
+    def _propose(self, rows: list[ProposeRow]) -> Proposal:
         if self.proposer is None:
             raise RuntimeError("this target shard holds no draft proposer")
         if self.inbox is not None:
@@ -249,7 +254,7 @@ class TargetShard(_ChannelWorker):
         propose_s). If the proposer fails the step verifies no drafts: speculation only speeds it up."""
         start = time.perf_counter()
         try:
-            proposal = self.propose(batch.propose)
+            proposal = self._propose(batch.propose)  # on the step's threads
         except Exception as exc:  # noqa: BLE001 - reported to the engine, which resends the rows' tokens
             log.warning("the draft proposer failed; this step verifies no drafts: %r", exc)
             return dataclasses.replace(batch, propose=None), {"draft_error": f"{type(exc).__name__}: {exc}"}
