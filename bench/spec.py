@@ -30,6 +30,7 @@ import torch
 
 from common import DRAFT, DSPARK_DRAFT, TARGET, Row, Timer, load_prompts, machine, save, table
 from dspark_ray import LLM, SamplingParams
+from dspark_ray.serve.timeline import StepTimeline, per_step_ms
 
 
 class DraftClock:
@@ -51,9 +52,10 @@ class DraftClock:
 
 
 class StepClock:
-    """Wraps ``Engine.step``: sums the engine's own phase timings (``Engine.timings``) over the steps
-    that ran rows, so a row can say where a step's time went (host wall time: on CUDA a phase that
-    waits for the device holds the kernels queued before it)."""
+    """Wraps ``Engine.step``: adds the engine's own phase timings (``Engine.timings``) of every step
+    that ran rows to a ``StepTimeline``, as the served engine loop does, so a row can say where a
+    step's time went (host wall time: on CUDA a phase that waits for the device holds the kernels
+    queued before it)."""
 
     PHASES = ("schedule", "propose", "verify", "commit")
 
@@ -61,23 +63,25 @@ class StepClock:
         self.engine = llm.engine
         self.step = self.engine.step
         self.engine.step = self
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
+        self.timeline = StepTimeline()
 
     def __call__(self):
+        steps = self.engine.counters.steps
         out = self.step()
-        t = self.engine.timings
-        if t.rows:
-            self.steps += 1
+        if self.engine.counters.steps != steps:  # a step that ran rows (and so set its timings)
+            t = self.engine.timings
+            self.timeline.add("step", sum(getattr(t, phase) for phase in self.PHASES))
             for phase in self.PHASES:
-                self.seconds[phase] += getattr(t, phase)
+                self.timeline.add(phase, getattr(t, phase))
         return out
 
     def close(self) -> dict[str, float]:
         """Restores ``Engine.step``; ms per step of each phase, and ``steps``."""
         del self.engine.step
-        per = {phase: 1000 * s / max(self.steps, 1) for phase, s in self.seconds.items()}
-        return {**per, "steps": self.steps}
+        totals = self.timeline.snapshot()
+        per = per_step_ms({}, totals)
+        return {**{phase: per.get(phase, 0.0) for phase in self.PHASES},
+                "steps": totals.get("step", {}).get("count", 0)}
 
 
 def phase_table(rows: list[Row]) -> str:

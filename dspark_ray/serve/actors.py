@@ -356,8 +356,9 @@ class RaySlots:
 
 
 def _log_failed_release(done) -> None:
-    if done.exception() is not None:
-        log.warning("slot release failed; the next heartbeat frees the slot(s): %r", done.exception())
+    error = done.exception()
+    if error is not None:
+        log.warning("slot release failed; the next heartbeat frees the slot(s): %r", error)
 
 
 class ReplicaServices:
