@@ -50,9 +50,20 @@ BUDGET = 24  # target tokens per step: the shared prefix is fed in chunks
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all held bound until all are chosen (one at a time, the kernel may
+    hand out a just-closed port again, and the replica's HTTP port then was Serve's proxy's)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def prometheus_binary() -> str | None:
@@ -266,8 +277,9 @@ def stack(serve_models, tmp_path_factory):  # noqa: F811 - the fixture imported 
     if ray.is_initialized():  # a leftover connection would lack the dashboard and metrics settings used here
         ray.shutdown()
     folder = tmp_path_factory.mktemp("prometheus")
+    dashboard, metrics, port, direct = free_ports(4)
     ray.init(num_cpus=2, object_store_memory=100 * 1024 * 1024, include_dashboard=True,
-             dashboard_host="127.0.0.1", dashboard_port=free_port(), _metrics_export_port=free_port(),
+             dashboard_host="127.0.0.1", dashboard_port=dashboard, _metrics_export_port=metrics,
              namespace="dspark-test-observability", log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 500})
     prometheus = None
@@ -276,7 +288,6 @@ def stack(serve_models, tmp_path_factory):  # noqa: F811 - the fixture imported 
         prometheus = Prometheus(binary, discovery, folder)
         from dspark_ray.serve.app import build_app
 
-        port, direct = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({
             "model": str(serve_models.target), "draft": str(serve_models.draft), "tensor_parallel_size": 2,
