@@ -73,6 +73,29 @@ def test_the_drain_switch_refuses_new_requests_and_takes_no_slot(server, serve_m
     assert call(server, "GET", "/health").json()["status"] == "ok"
 
 
+def test_stats_shows_what_adaptive_speculation_chose_and_measured(server, serve_models):
+    """GET /stats carries the steps adaptive speculation ran at each k and its step-time table per
+    batch bucket (what it decides by), so an operator can see why it drafts what it does."""
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+    before = call(server, "GET", "/stats").json()
+    assert call(server, "POST", "/v1/completions", body).status_code == 200
+    stats = call(server, "GET", "/stats").json()
+    controller = server.loop.engine.spec_controller
+    chosen = {str(k): n for k, n in controller.chosen.items()}
+    assert stats["spec_k_steps"] == chosen
+    ran = sum(stats["spec_k_steps"].values()) - sum(before["spec_k_steps"].values())
+    assert 0 < ran <= stats["steps"] - before["steps"]  # a step that chose a k is a step
+    table = stats["adaptive_ms"]
+    assert table and set(table) == {str(b) for b in controller.table}
+    k_max = server.config.num_speculative_tokens
+    for b, row in table.items():
+        assert len(row["measured"]) == len(row["n"]) == len(row["fitted"]) == k_max + 1
+        for measured, n in zip(row["measured"], row["n"]):
+            assert (measured is None) == (n == 0) and (measured is None or measured > 0)
+        assert row["n"] == [c.n for c in controller.table[int(b)]]
+    assert any(n for row in table.values() for n in row["n"])
+
+
 def test_completion_equals_the_offline_engine(server, serve_models):
     body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
     r = call(server, "POST", "/v1/completions", body)
