@@ -105,10 +105,12 @@ def rounds_at(batch: int, args: argparse.Namespace) -> int:
 # -- dspark_ray in process ------------------------------------------------------
 
 
-def generate_traced(engine, prompts: list[str], params) -> list[RequestTrace]:
-    """Like LLM.generate, with a timestamp on every engine step's output."""
+def generate_traced(engine, prompts: list, params) -> list[RequestTrace]:
+    """Like LLM.generate, with a timestamp on every engine step's output; ``params`` is one SamplingParams
+    for every prompt or a list of one per prompt."""
     sent = time.perf_counter()
-    traces = {engine.add_request(p, params): RequestTrace(sent=sent) for p in prompts}
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    traces = {engine.add_request(p, sp): RequestTrace(sent=sent) for p, sp in zip(prompts, each, strict=True)}
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter()

@@ -74,7 +74,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import random
 import shlex
@@ -379,7 +381,8 @@ class Report:
         rounds = max((r.round or 1 for r in self.rows), default=1)
         parts = [
             f"Machine: {self.machine}. Workload: `vllm bench serve`, random prompts of {w['input_len']} tokens, "
-            f"{w['output_len']} output tokens (ignore_eos), temperature {w.get('temperature', 0.0):g}, seed {w['seed']}, "
+            f"{w['output_len']} output tokens (ignore_eos){lengths_text(w.get('range_ratio', 0.0))}, "
+            f"temperature {w.get('temperature', 0.0):g}, seed {w['seed']}, "
             f"{w['num_prompts'] or 'max(16, 4c)'} prompts per level c, warm-up first. In-process: the same "
             "prompt shape, b requests at once, rounds of b. Latencies in ms; ITL is per streamed chunk (a "
             "speculative step streams several tokens), TPOT per token.",
@@ -587,6 +590,10 @@ def show(cmd: list[str], env: dict[str, str] | None = None) -> str:
     return f"{prefix} {shlex.join(words)}".strip()
 
 
+def lengths_text(range_ratio: float) -> str:
+    return f", each length uniform within +-{range_ratio:.0%}" if range_ratio else ""
+
+
 @dataclass(frozen=True)
 class Workload:
     input_len: int = 24
@@ -595,6 +602,25 @@ class Workload:
     num_prompts: int | None = None  # per level; None: max(16, 4 * c)
     warmup_prompts: int | None = None  # None: the highest concurrency
     temperature: float = 0.0  # 0: greedy; 1.0: sampled, the OpenAI API's default
+    # 0: every prompt input_len tokens and every request output_len; r: each drawn uniformly from
+    # len * (1 - r) .. len * (1 + r) (vLLM's --random-range-ratio), so that no system runs its batch in
+    # lockstep (equal lengths keep an engine without speculation ending and admitting in waves)
+    range_ratio: float = 0.0
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        """The shortest and longest a length of mean ``length`` can be drawn."""
+        r = self.range_ratio
+        return max(1, math.floor(length * (1 - r))), max(1, math.ceil(length * (1 + r)))
+
+    def output_range(self) -> tuple[int, int]:
+        return self.bounds(self.output_len)
+
+    def lengths(self, n: int, seed: int) -> list[tuple[int, int]]:
+        """``n`` (prompt tokens, output tokens) pairs for the in-process engine, drawn as vLLM's client draws
+        them (not the same draws: its generator is numpy's)."""
+        rng = random.Random(seed)
+        return [(rng.randint(*self.bounds(self.input_len)), rng.randint(*self.bounds(self.output_len)))
+                for _ in range(n)]
 
     def prompts(self, concurrency: int) -> int:
         return self.num_prompts or max(16, 4 * concurrency)
@@ -609,7 +635,8 @@ def client_command(cli: list[str], base_url: str, model: str, tokenizer: Path, w
             "--temperature", f"{w.temperature:g}", "--seed", str(w.seed), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--save-detailed",
-            "--result-dir", str(result_dir), "--result-filename", result_name]
+            "--result-dir", str(result_dir), "--result-filename", result_name,
+            *(["--random-range-ratio", f"{w.range_ratio:g}"] if w.range_ratio else [])]
 
 
 CLIENT_STARTS = "Starting main benchmark run"  # what vllm bench serve logs when its measured requests begin
@@ -908,9 +935,11 @@ def measure(run: Run, servers: dict[str, Server], args: argparse.Namespace, repo
     if len(servers) > 1:
         others = set().union(*(pids for s, pids in trees.items() if s != run.system))
         row.others_cpu = cpu_cores(others, processes, now, seconds)
-    if row.output_tokens != row.completed * w.output_len:
+    lo, hi = w.output_range()
+    if not row.completed * lo <= row.output_tokens <= row.completed * hi:
+        each = f"{w.output_len}" if lo == hi else f"{lo}-{hi}"
         report.notes.append(f"{row.label} c={c} round {run.round}: {row.output_tokens} output tokens from "
-                            f"{row.completed} requests, not {w.output_len} each (ignore_eos not honoured?)")
+                            f"{row.completed} requests, not {each} each (ignore_eos not honoured?)")
     report.rows.append(row)
     report.save()
     print_row(row)
@@ -1042,13 +1071,15 @@ def run_served(systems: list[str], args: argparse.Namespace, report: Report) -> 
 # -- dspark_ray in process ---------------------------------------------------------------------------
 
 
-def random_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` token ids drawn from the vocabulary, special tokens left out."""
+def random_prompts(tokenizer, n: int, length: int | list[int], seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids (or ``length[i]`` for the i-th) drawn from the vocabulary,
+    special tokens left out."""
     vocab = tokenizer.get_vocab()
     special = {vocab[t] for t in tokenizer.special_tokens.values() if t in vocab}
     ids = [i for i in range(tokenizer.vocab_size) if i not in special]
     rng = random.Random(seed)
-    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
+    lengths = length if isinstance(length, list) else [length] * n
+    return [[rng.choice(ids) for _ in range(m)] for m in lengths]
 
 
 def row_from_traces(system: str, concurrency: int, traces, seconds: float) -> Row:
@@ -1090,11 +1121,17 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
             report.notes.append(f"in-process batch {b} is above the YAML's max_num_seqs {cfg.max_num_seqs}: "
                                 "the engine queues the rest, as the served one does")
         generate_traced(engine, random_prompts(engine.tokenizer, b, w.input_len, w.seed + 1), params)  # warm-up
-        prompts = random_prompts(engine.tokenizer, w.prompts(b), w.input_len, w.seed)
+        if w.range_ratio:
+            lengths = w.lengths(w.prompts(b), w.seed)
+            prompts = random_prompts(engine.tokenizer, len(lengths), [n for n, _ in lengths], w.seed)
+            each = [dataclasses.replace(params, max_tokens=m) for _, m in lengths]
+        else:
+            prompts = random_prompts(engine.tokenizer, w.prompts(b), w.input_len, w.seed)
+            each = [params] * len(prompts)
         traces, seconds = [], 0.0
         for i in range(0, len(prompts), b):
             start_t = time.perf_counter()
-            traces += generate_traced(engine, prompts[i:i + b], params)
+            traces += generate_traced(engine, prompts[i:i + b], each[i:i + b])
             seconds += time.perf_counter() - start_t
         row = row_from_traces("inprocess", b, traces, seconds)
         report.rows.append(row)
@@ -1122,6 +1159,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="draw each prompt's and each output's length uniformly from len * (1 -+ r) (vLLM's "
+                         "--random-range-ratio; default 0: every request the same, which keeps an engine "
+                         "without speculation in lockstep)")
     ap.add_argument("--port", type=int, default=0, help="dspark's HTTP port (default: a free one)")
     ap.add_argument("--vllm-port", type=int, default=0, help="vLLM's HTTP port (default: a free one)")
     ap.add_argument("--vllm-draft", type=Path, default=REPO / "models" / "shakespeare-draft",
@@ -1147,7 +1188,9 @@ def parse(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         ap.error("--rounds must be at least 1")
     args.systems = list(dict.fromkeys(args.systems))  # each once, in the order given
     args.workload = Workload(args.input_len, args.output_len, args.seed, args.num_prompts, args.warmup_prompts,
-                             args.temperature)
+                             args.temperature, args.range_ratio)
+    if not 0 <= args.range_ratio < 1:
+        ap.error("--range-ratio must be in [0, 1)")
     return args
 
 

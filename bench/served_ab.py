@@ -32,7 +32,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from served import (  # noqa: E402 - this folder's modules
     DEFAULT_YAML, HOST, OUT_DIR, REPO, DsparkServed, SystemUnavailable, Workload, app_of, client_command,
-    get_json, load_yaml, run_client, vllm_cli,
+    get_json, lengths_text, load_yaml, run_client, vllm_cli,
 )
 
 
@@ -74,12 +74,17 @@ def main() -> None:
     ap.add_argument("--name", default="served-ab", help="results go to bench/out/<name>/")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="each prompt's and output's length uniform within len * (1 -+ r) (vLLM's "
+                         "--random-range-ratio; default 0)")
     args = ap.parse_args()
 
     out = OUT_DIR / args.name
     out.mkdir(parents=True, exist_ok=True)
     cli = vllm_cli()
-    workload = Workload(temperature=args.temperature)
+    if not 0 <= args.range_ratio < 1:
+        ap.error("--range-ratio must be in [0, 1)")
+    workload = Workload(temperature=args.temperature, range_ratio=args.range_ratio)
     app = app_of(args.yaml_a)
     model, tokenizer = app["name"], Path(app["model"])
     urls = {"A": f"http://{HOST}:{args.port}", "B": f"http://{HOST}:{args.port + 1}"}
@@ -107,7 +112,9 @@ def main() -> None:
         return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
     lines = [f"A: {shown(args.yaml_a)}   B: {shown(args.yaml_b)}   ({args.rounds} rounds, vLLM's client, "
-             f"{workload.input_len}-token random prompts, {workload.output_len} tokens, greedy)", "",
+             f"{workload.input_len}-token random prompts, {workload.output_len} tokens"
+             f"{lengths_text(workload.range_ratio)}, "
+             f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature:g}'})", "",
              "| concurrency | A tok/s (median) | B tok/s (median) | B / A (median of rounds) | per round |",
              "|---:|---:|---:|---:|---|"]
     for c in args.concurrency:

@@ -539,6 +539,16 @@ def test_client_command_and_how_it_is_shown(tmp_path):
                   "--temperature 0", "--num-prompts 32", "--max-concurrency 8", "--save-result",
                   f"--result-dir {tmp_path}", "--result-filename r.json"):
         assert f" {flags}" in text
+    assert "--random-range-ratio" not in text  # equal lengths unless asked
+    varied = bench.Workload(range_ratio=0.5)
+    text = bench.show(bench.client_command(cli, "http://h:1", "m", bench.REPO / "models" / "t", varied, 8, 32,
+                                           tmp_path, "r.json"))
+    assert " --random-range-ratio 0.5" in text
+    lengths = varied.lengths(400, seed=0)
+    assert lengths == varied.lengths(400, seed=0) != varied.lengths(400, seed=1)  # seeded
+    assert {n for n, _ in lengths} == set(range(12, 37)) and {m for _, m in lengths} == set(range(32, 97))
+    assert bench.Workload().lengths(3, seed=0) == [(24, 64)] * 3
+    assert varied.output_range() == (32, 96) and bench.Workload().output_range() == (64, 64)
 
 
 def test_vllm_server_command():
