@@ -20,6 +20,8 @@ The last test runs vLLM's benchmark client, unmodified, against a real
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -31,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import REPO
 from dspark_ray.serve.timeline import per_step_ms
@@ -549,6 +552,26 @@ def test_client_command_and_how_it_is_shown(tmp_path):
     assert {n for n, _ in lengths} == set(range(12, 37)) and {m for _, m in lengths} == set(range(32, 97))
     assert bench.Workload().lengths(3, seed=0) == [(24, 64)] * 3
     assert varied.output_range() == (32, 96) and bench.Workload().output_range() == (64, 64)
+
+
+def test_the_inprocess_run_draws_each_request_length_within_the_range(tmp_path, monkeypatch):
+    """--range-ratio reaches the in-process engine: its requests ask for different numbers of tokens,
+    each within output_len * (1 -+ r), and the report says so (the real engine, the shipped pair)."""
+    monkeypatch.setattr(bench, "OUT_DIR", tmp_path)
+    args = bench.parse(["--systems", "inprocess", "--concurrency", "2", "--num-prompts", "6", "--input-len", "8",
+                        "--output-len", "8", "--range-ratio", "0.5", "--threads", "1", "--name", "rr"], None)
+    report = bench.Report(machine="test", workload=dataclasses.asdict(args.workload), name="rr")
+    threads = torch.get_num_threads()
+    try:
+        bench.run_inprocess(args, report)  # sets this process's torch threads
+    finally:
+        torch.set_num_threads(threads)
+    (row,) = report.rows
+    wanted = sum(m for _, m in args.workload.lengths(6, args.workload.seed))
+    assert row.completed == 6 and row.output_tokens == wanted != 6 * 8  # ignore_eos: each gets its own length
+    assert "each length uniform within +-50%" in report.markdown()
+    with pytest.raises(SystemExit):
+        bench.parse(["--range-ratio", "1.0"], None)
 
 
 def test_vllm_server_command():
