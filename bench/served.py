@@ -226,6 +226,17 @@ def median_rows(rows: list[Row]) -> list[Row]:
     return out
 
 
+def summed_snapshots(snapshots: list[dict]) -> dict:
+    """Timeline snapshots (``{phase: {"seconds", "count"}}``, one per replica) added phase by phase."""
+    total: dict[str, dict[str, float]] = {}
+    for snap in snapshots:
+        for phase, t in snap.items():
+            acc = total.setdefault(phase, {"seconds": 0.0, "count": 0})
+            acc["seconds"] += t.get("seconds", 0.0)
+            acc["count"] += t.get("count", 0)
+    return total
+
+
 def summed_timeline(runs: list[Row]) -> tuple[dict[str, float], int | None]:
     """ms per engine step over all the runs' steps together, and those steps; ({}, None) unless every run has
     its timeline (else the steps and the output tokens beside them would not be of the same runs)."""
@@ -780,8 +791,22 @@ class DsparkServed:
         return any(a.status == ApplicationStatus.RUNNING for a in apps.values())
 
     def timeline(self) -> dict | None:
-        stats = get_json(f"{self.base_url}/stats", timeout_s=30)
-        return None if stats is None else stats.get("timeline")
+        """The per-step timeline summed over the application's replicas. Each replica answers ``GET /stats``
+        for itself, and a new connection reaches any one of them (they share the port, SO_REUSEPORT), so
+        this asks on new connections until every replica has answered; None if one never does, or if the
+        number of replicas is not fixed (autoscaling)."""
+        cfg = self.app["config"]
+        if cfg.autoscaling_config is not None:
+            return None
+        seen: dict[str, dict] = {}
+        for _ in range(16 * cfg.num_replicas):
+            stats = get_json(f"{self.base_url}/stats", timeout_s=30)  # urllib: a new connection each time
+            if stats is None:
+                return None
+            seen[stats.get("replica", "")] = stats.get("timeline") or {}
+            if len(seen) == cfg.num_replicas:
+                return summed_snapshots(list(seen.values()))
+        return None
 
     def __exit__(self, *exc) -> None:
         try:

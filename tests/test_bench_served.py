@@ -694,15 +694,17 @@ def test_served_ab_puts_both_configurations_in_one_serve_config(tmp_path):
     import served_ab
 
     variant = yaml.safe_load((REPO / "deploy" / "dspark.yaml").read_text())
-    variant["applications"][0]["args"].update(draft_placement="worker", torch_threads=1)
+    shipped = dict(variant["applications"][0]["args"])
+    variant["applications"][0]["args"].update(draft_placement="worker", torch_threads=3)
     b_path = tmp_path / "b.yaml"
     b_path.write_text(yaml.safe_dump(variant))
     combined = yaml.safe_load(served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path).read_text())
     a, b = combined["applications"]
     assert (a["name"], a["route_prefix"], a["args"]["http_port"]) == ("dspark", "/", 8200)
     assert (b["name"], b["route_prefix"], b["args"]["http_port"]) == ("dspark-b", "/b", 8201)
-    assert (b["args"]["draft_placement"], b["args"]["torch_threads"]) == ("worker", 1)
-    assert (a["args"]["draft_placement"], a["args"]["torch_threads"]) == ("target", 2)  # deploy/dspark.yaml's
+    assert (b["args"]["draft_placement"], b["args"]["torch_threads"]) == ("worker", 3)
+    assert {k: v for k, v in a["args"].items() if k not in ("http_host", "http_port")} == \
+        {k: v for k, v in shipped.items() if k not in ("http_host", "http_port")}  # deploy/dspark.yaml's
     assert combined["proxy_location"] == "Disabled"
     variant["applications"][0]["args"]["http_port"] = None
     b_path.write_text(yaml.safe_dump(variant))

@@ -25,21 +25,21 @@ def test_local_configs_validate_with_the_shipped_pair(name, tp):
     assert config.device == "cpu" and config.model_name == "shakespeare-target"
 
 
-def test_local_configs_differ_only_in_tensor_parallelism_and_threads():
-    """The TP=2 demo runs two shards on the one machine: one thread each and no binding (two processes
-    bound by OMP_PROC_BIND would share the first cores), the draft in a worker of its own. The default
-    is one process, the draft inside it, its threads bound and spinning between steps, steps of up to
-    16 rows on one thread."""
+def test_local_configs_differ_only_in_tensor_parallelism_replicas_and_binding():
+    """The TP=2 demo runs two shards of one replica on the one machine, one thread each, unbound, the
+    draft in a worker of its own. The default is two replicas, each one process with the draft inside
+    it, on one torch thread bound to a core of its own (bind_cores), no OpenMP settings."""
     one, two = app_args("dspark.yaml"), app_args("dspark-tp2.yaml")
-    threading = {"torch_threads", "draft_placement", "worker_env_vars", "single_thread_max_rows"}
-    assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", *threading}
-    assert set(one) - set(two) == {"draft_placement", "worker_env_vars", "single_thread_max_rows"}
+    assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", "num_replicas", "bind_cores",
+                                                       "draft_placement"}
+    assert set(one) - set(two) == {"draft_placement", "bind_cores"}
     assert set(two) <= set(one)
-    assert two["torch_threads"] == 1 and one["draft_placement"] == "target"
-    assert AppConfig(**one).worker_env_vars == {"OMP_PROC_BIND": "true", "OMP_PLACES": "{1},{0}",
-                                                "GOMP_SPINCOUNT": "30000000"}
-    assert AppConfig(**one).single_thread_max_rows == 16 and AppConfig(**two).single_thread_max_rows == 0
-    assert AppConfig(**two).worker_env_vars == {} and AppConfig(**two).draft_placement == "worker"
+    default, demo = AppConfig(**one), AppConfig(**two)
+    assert default.num_replicas == 2 and default.torch_threads == 1 and default.bind_cores
+    assert default.draft_placement == "target" and default.worker_env_vars == {}
+    assert default.single_thread_max_rows == 0  # one thread: nothing to choose
+    assert demo.torch_threads == 1 and not demo.bind_cores and demo.worker_env_vars == {}
+    assert demo.draft_placement == "worker" and demo.num_replicas == 1
 
 
 def test_two_box_config_uses_only_known_fields():
@@ -59,10 +59,10 @@ def test_step_token_budget_reaches_the_engine():
 
 
 def test_every_config_shows_its_replica_count():
-    for name in ("dspark.yaml", "dspark-tp2.yaml", "dspark-2x-spark.yaml"):
-        assert app_args(name)["num_replicas"] == 1, name
+    for name, replicas in (("dspark.yaml", 2), ("dspark-tp2.yaml", 1), ("dspark-2x-spark.yaml", 1)):
+        assert app_args(name)["num_replicas"] == replicas, name
     config = AppConfig(**app_args("dspark.yaml"))
-    assert config.slots_per_replica == config.capacity  # one replica holds the whole capacity
+    assert config.slots_per_replica == config.capacity // 2 == config.max_num_seqs  # each replica: half
 
 
 @pytest.mark.parametrize("name", ["dspark.yaml", "dspark-tp2.yaml"])

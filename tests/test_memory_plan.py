@@ -339,7 +339,8 @@ def test_a_dspark_draft_is_planned_as_it_loads():
     attn = draft.layers[0].self_attn
     # The ring holds the draft's runtime dtype: bfloat16 on a CPU with native bfloat16 (draft_dtype auto).
     ring_dtype = getattr(torch, draft_runtime_dtype(config.engine_config()))
-    ring = ContextRing(cfg.backbone.num_layers, 8, cfg.window, cfg.block_size, attn.k_proj.out_features // attn.head_dim,
+    rows = config.engine_config().capacity  # this replica's slots (the YAML's replicas share the 8)
+    ring = ContextRing(cfg.backbone.num_layers, rows, cfg.window, cfg.block_size, attn.k_proj.out_features // attn.head_dim,
                        attn.head_dim, dtype=ring_dtype)
     assert result.draft_costs.buffers == sum(t.numel() * t.element_size() for t in (*ring.k, *ring.v))
 

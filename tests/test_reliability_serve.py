@@ -51,6 +51,7 @@ from serve_fixtures import (  # noqa: F401 - serve_models, served are fixtures
     DEPLOY_YAML,
     ServeReplica,
     ServeRun,
+    finished_of,
     serve_models,
     served,
     serve_replicas,
@@ -78,11 +79,12 @@ PROMPTS = ["ROMEO:\nBut soft, what light", "To be, or not"]
 @contextlib.contextmanager
 def small_app(served: ServeRun, serve_models, name: str, prefix: str, **extra):
     """A second application beside the shipped one: tensor-parallel 1 with the draft, CAPACITY slots,
-    an API key, its replica serving HTTP on a port of its own (the shipped YAML's way); its URL."""
+    an API key, one replica (whatever the shipped YAML runs) serving HTTP on a port of its own (the
+    shipped YAML's way); its URL."""
     port = free_port()
     args = dict(served.args, model=str(serve_models.target), draft=str(serve_models.draft),
-                tensor_parallel_size=1, capacity=CAPACITY, max_num_seqs=CAPACITY, max_context=MAX_CONTEXT,
-                api_key=API_KEY, http_port=port, **extra)
+                tensor_parallel_size=1, num_replicas=1, capacity=CAPACITY, max_num_seqs=CAPACITY,
+                max_context=MAX_CONTEXT, api_key=API_KEY, http_port=port, **extra)
     serve.run(build_app(args), name=name, route_prefix=prefix)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -272,7 +274,7 @@ def test_oversized_bodies_get_413_and_take_no_slot(served):
     limit = 1_000_000  # AppConfig.max_request_bytes, which the shipped YAML leaves at its default
     assert "max_request_bytes" not in served.args
     before = slot_snapshot(served.app_name)
-    before_finished = stats(served.app_name)["finished"]
+    before_finished = finished_of(served)
     big = json.dumps(body(served.model, "x " * (limit // 2 + 10), 8)).encode()
     assert len(big) > limit
 
@@ -300,7 +302,7 @@ def test_oversized_bodies_get_413_and_take_no_slot(served):
     after = slot_snapshot(served.app_name)
     assert after.live == ()
     assert after.counters.allocations == before.counters.allocations + 1, "an oversized body took a slot"
-    finished = stats(served.app_name)["finished"]
+    finished = finished_of(served)  # summed over the shipped YAML's replicas
     assert sum(finished.values()) == sum(before_finished.values()) + 1, (before_finished, finished)
 
 

@@ -29,7 +29,9 @@ from ray import serve
 
 from dspark_ray.ops.processes import free_port
 from dspark_ray.serve.app import build_app
-from serve_fixtures import ServeRun, serve_models, served, slot_snapshot, wait_for  # noqa: F401 - fixtures
+from serve_fixtures import (  # noqa: F401 - fixtures
+    ServeRun, replica_stats, serve_models, served, slot_snapshot, wait_for,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -55,8 +57,16 @@ def http(served: ServeRun):
         yield c
 
 
-def stats(app: str = "dspark") -> dict:
-    return serve.get_app_handle(app).stats.remote().result(timeout_s=60)
+def stats(run: ServeRun) -> dict:
+    """The shipped application's running and waiting requests and finished ones by reason, summed over its
+    replicas (each answers GET /stats for itself: serve_fixtures.replica_stats)."""
+    total = {"running": 0, "waiting": 0, "finished": {}}
+    for st in replica_stats(run.base_url, run.args.get("num_replicas", 1)).values():
+        total["running"] += st["running"]
+        total["waiting"] += st["waiting"]
+        for reason, n in st["finished"].items():
+            total["finished"][reason] = total["finished"].get(reason, 0) + n
+    return total
 
 
 def extension(obj, name: str):
@@ -313,7 +323,7 @@ def bad_inputs(model: str, max_context: int) -> list[tuple[str, str, object, str
 
 
 def test_bad_inputs_get_400_naming_the_field_and_take_no_slot(served, http, client):
-    before_slots, before_stats = slot_snapshot(served.app_name), stats()
+    before_slots, before_stats = slot_snapshot(served.app_name), stats(served)
     failures = []
     for label, route, body, param in bad_inputs(served.model, served.args["max_context"]):
         if isinstance(body, bytes):
@@ -335,7 +345,7 @@ def test_bad_inputs_get_400_naming_the_field_and_take_no_slot(served, http, clie
         client.completions.create(model=served.model, prompt="Hello", max_tokens=8, temperature=5)
     assert info.value.body["param"] == "temperature"
 
-    after_slots, after_stats = slot_snapshot(served.app_name), stats()
+    after_slots, after_stats = slot_snapshot(served.app_name), stats(served)
     assert after_slots.counters == before_slots.counters, "a bad request took (or freed) a slot"
     assert after_slots.live == ()
     assert after_stats["finished"] == before_stats["finished"], "a bad request reached the engine"
@@ -350,7 +360,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served, client):
     once, while a request running beside it finishes exactly as it would alone."""
     bystander = dict(model=served.model, prompt=PROMPTS[3], max_tokens=32, temperature=0)
     alone = client.completions.create(**bystander).choices[0].text
-    before = stats()["finished"]
+    before = stats(served)["finished"]
     body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": served.args["max_context"] - 64,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with ThreadPoolExecutor(1) as pool:
@@ -374,11 +384,11 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served, client):
         assert beside.result(timeout=120) == alone, "the disconnect disturbed a request running beside it"
 
     def both_finished():
-        f = stats()["finished"]
+        f = stats(served)["finished"]
         return f if sum(f.values()) == sum(before.values()) + 2 else None
 
     after = wait_for(both_finished, 10)
-    assert after, f"expected 2 more finished requests: before {before}, now {stats()['finished']}"
+    assert after, f"expected 2 more finished requests: before {before}, now {stats(served)['finished']}"
     assert after.get("abort", 0) == before.get("abort", 0) + 1, f"not aborted: {before} -> {after}"
     assert took < 5, f"the slot was freed {took:.1f}s after the disconnect"
 
@@ -412,7 +422,7 @@ def test_overload_gets_503_with_retry_after(served, serve_models):
     queues and six are refused at once with 503 + Retry-After, rather than waiting in Serve."""
     port = free_port()  # its replica serves HTTP on a port of its own (the shipped YAML's way)
     args = dict(served.args, model=str(serve_models.target), draft=None, tensor_parallel_size=1,
-                max_num_seqs=1, max_queued_requests=1, capacity=4, http_port=port)
+                num_replicas=1, max_num_seqs=1, max_queued_requests=1, capacity=4, http_port=port)
     serve.run(build_app(args), name=OVERLOAD_APP, route_prefix="/overload")
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -459,7 +469,7 @@ def test_afterwards_no_live_slot_and_counters_balance(served):
     assert snap.free == snap.capacity == served.args["capacity"]
     assert c.allocations > 0 and c.allocations + c.restored == c.releases, c
     assert c.stale_releases == 0, c
-    st = stats()
+    st = stats(served)
     assert st["running"] == 0 and st["waiting"] == 0, st
     assert "error" not in st["finished"], st
     assert sum(st["finished"].values()) == c.allocations, (st, c)

@@ -392,6 +392,7 @@ class ReplicaServices:
         slot_capacity: int | None = None,
         spin_s: float = 0.0,
         single_thread_max_rows: int = 0,
+        bind_cores: bool = False,
         step_timeout_floor_s: float = 5.0,
         step_timeout_factor: float = 10.0,
         draft_placement: str = "worker",
@@ -422,7 +423,7 @@ class ReplicaServices:
         self.timeouts = WorkerTimeouts()
         self.tensor_parallel_size = tensor_parallel_size
         self.cpus_per_shard, self.torch_threads, self.spin_s = cpus_per_shard, torch_threads, spin_s
-        self.single_thread_max_rows = single_thread_max_rows
+        self.single_thread_max_rows, self.bind_cores = single_thread_max_rows, bind_cores
         self.runtime_env = _worker_runtime_env(worker_env_vars)
         self._gpu = 1 if config.device == "cuda" else 0
         # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
@@ -447,7 +448,7 @@ class ReplicaServices:
                 self.draft_worker = ray.remote(DraftWorker).options(
                     **self._opts(0, f"dspark:proposer:{replica}", self._gpu * 0.5),
                     max_restarts=-1, max_task_retries=0,
-                ).remote(config, torch_threads, spin_s, single_thread_max_rows)
+                ).remote(config, torch_threads, spin_s, single_thread_max_rows, bind_cores)
                 self._link_context()
             self.draft = RayDraft(self.draft_worker or self.shards[0], call_timeout_s, self.timeline,
                                   self.draft_deadline, self.timeouts, self.context_window)
@@ -471,7 +472,7 @@ class ReplicaServices:
             shard_cls.options(**self._opts(r, f"dspark:target:{self.replica}:rank{r}",
                                            self._gpu * (0.5 if r == 0 else 1)))
             .remote(self.config, r, world, self.torch_threads, self.replica, self.spin_s,
-                    self.single_thread_max_rows)
+                    self.single_thread_max_rows, self.bind_cores)
             for r in range(world)
         ]
         addr, port = ray.get(self.shards[0].address.remote())
@@ -597,7 +598,7 @@ def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
         cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
         slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
         slot_capacity=config.capacity, spin_s=config.worker_spin_s,
-        single_thread_max_rows=config.single_thread_max_rows,
+        single_thread_max_rows=config.single_thread_max_rows, bind_cores=config.bind_cores,
         step_timeout_floor_s=config.step_timeout_floor_s, step_timeout_factor=config.step_timeout_factor,
         draft_placement=config.draft_placement, context_path=config.context_path,
         worker_env_vars=config.worker_env_vars,

@@ -124,6 +124,12 @@ class AppConfig(BaseModel):
         "Ray and the clients, a small step's second thread mostly waits at OpenMP's barriers for a core another "
         "process took, and one thread leaves that core to them (README, Performance).",
     )
+    bind_cores: bool = Field(
+        False, description="Each worker process (target shard, draft worker) claims torch_threads CPUs of its "
+        "own on its machine and binds its torch thread to them (dspark_ray/serve/cores.py): several replicas or "
+        "shards on one CPU box never share a core, and a preempted worker waits only for its own. A worker that "
+        "finds no CPU free stays unbound. Not with OMP_PROC_BIND/OMP_PLACES in worker_env_vars.",
+    )
     step_timeout_factor: float = Field(
         10.0, ge=1, description="A worker that has not answered a step within this many times the slowest of "
         "its last 64 steps (and at least step_timeout_floor_s, at most worker_call_timeout_s) is handled as "

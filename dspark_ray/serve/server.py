@@ -196,7 +196,7 @@ class DSparkServer:
         cfg = self.config
         self.http: ReplicaHTTP | None = None
         app_name, replica = _replica_identity()
-        self.app_name = app_name
+        self.app_name, self.replica = app_name, replica
         engine_config = cfg.engine_config()
         self.tokenizer = Tokenizer.from_path(cfg.model)
         self.services = s = (services or ray_services)(cfg, app_name, replica)
@@ -423,6 +423,7 @@ class DSparkServer:
         """Replica state for operators and tests: engine counters, KV pool, queue lengths."""
         engine = self.loop.engine
         return {
+            "replica": self.replica,  # each replica answers for itself (a new connection reaches any one)
             "running": len(engine.scheduler.running),
             "waiting": self.loop.num_waiting(),
             "kv_capacity": engine.target.kv_capacity(),

@@ -34,6 +34,7 @@ from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.model.tp import CollectiveTimer
 from dspark_ray.serve.channel import ChannelServer, serve_call
+from dspark_ray.serve.cores import CoreClaim, claim_and_bind
 from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink
 from dspark_ray.serve.group import join_group, rendezvous_address
 from dspark_ray.serve.metrics import ShardMetrics
@@ -133,10 +134,18 @@ class TorchThread:
 class _ChannelWorker:
     """Opens channels for the replica (one per call of ``open_channel``); owns the torch thread."""
 
-    def __init__(self, torch_threads: int, spin_s: float = 0.0, single_thread_max_rows: int = 0) -> None:
+    def __init__(self, torch_threads: int, spin_s: float = 0.0, single_thread_max_rows: int = 0,
+                 bind_cores: bool = False) -> None:
         self.torch = TorchThread(torch_threads, spin_s=spin_s)
         self.torch_threads, self.single_thread_max_rows = torch_threads, single_thread_max_rows
         self._threads = torch_threads  # what the torch thread runs on now
+        # AppConfig.bind_cores: CPUs of this process's own, its torch thread bound to them (serve/cores.py)
+        # before any parallel region starts OpenMP's threads, which inherit the binding.
+        self.cores = claim_and_bind(torch_threads, self.torch.call) if bind_cores else CoreClaim()
+
+    def bound_cores(self) -> tuple[int, ...]:
+        """The CPUs this worker claimed (AppConfig.bind_cores); empty: unbound."""
+        return self.cores.cores
 
     def _threads_for(self, rows: int) -> int:
         """On the torch thread, before a step of ``rows`` rows: one torch thread for a step of at most
@@ -157,8 +166,9 @@ class TargetShard(_ChannelWorker):
     """Rank ``rank`` of the target: its shard of the weights, its KV pool, its table."""
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, torch_threads: int,
-                 replica: str = "", spin_s: float = 0.0, single_thread_max_rows: int = 0) -> None:
-        super().__init__(torch_threads, spin_s, single_thread_max_rows)
+                 replica: str = "", spin_s: float = 0.0, single_thread_max_rows: int = 0,
+                 bind_cores: bool = False) -> None:
+        super().__init__(torch_threads, spin_s, single_thread_max_rows, bind_cores)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
         self.proposer = None  # rank 0 with draft_placement "target"
@@ -283,10 +293,10 @@ class DraftWorker(_ChannelWorker):
     """The draft model, its window cache and kernels."""
 
     def __init__(self, config: EngineConfig, torch_threads: int, spin_s: float = 0.0,
-                 single_thread_max_rows: int = 0) -> None:
+                 single_thread_max_rows: int = 0, bind_cores: bool = False) -> None:
         from dspark_ray.engine.local import make_draft_proposer
 
-        super().__init__(torch_threads, spin_s, single_thread_max_rows)
+        super().__init__(torch_threads, spin_s, single_thread_max_rows, bind_cores)
         self.proposer = self.torch.call(make_draft_proposer, config, Tokenizer.from_path(config.model).vocab_size)
         if config.draft_ahead and hasattr(self.proposer, "draft_ahead"):  # an independent draft
             self.torch.idle = self.proposer.draft_ahead
