@@ -74,3 +74,17 @@ def test_the_commented_autoscaling_example_is_valid_in_place_of_num_replicas(nam
     assert config.max_replicas == 2 and config.slots_per_replica == config.capacity // 2
     with pytest.raises(ValueError, match="exclude each other"):  # uncommented beside num_replicas: 2
         AppConfig(**{**args, "num_replicas": 2}, **example)
+
+
+def test_bind_cores_refuses_an_openmp_binding_beside_it():
+    """bind_cores binds each worker's torch thread to CPUs of its own; OpenMP's binding variables in
+    worker_env_vars would bind the threads again, by place, ignoring the claims: refused, naming both."""
+    args = app_args("dspark.yaml")
+    assert AppConfig(**args).bind_cores
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"):
+        with pytest.raises(ValueError, match=f"bind_cores and worker_env_vars {name}"):
+            AppConfig(**{**args, "worker_env_vars": {name: "true", "GOMP_SPINCOUNT": "1000"}})
+    # Without bind_cores the variables stay the operator's choice; other variables go with bind_cores.
+    assert AppConfig(**{**args, "bind_cores": False, "worker_env_vars": {"OMP_PROC_BIND": "true"}})
+    assert AppConfig(**{**args, "worker_env_vars": {"GOMP_SPINCOUNT": "1000"}}).bind_cores
+

@@ -116,8 +116,8 @@ def two_replicas(serve_models, tmp_path_factory):
         assert ray.get(manager.snapshot.remote(), timeout=60).capacity == CAPACITY
 
     assert not ray.is_initialized(), "another test left Ray initialised in this process"
-    # Two replicas on this one machine: each with a draft worker and one thread per process, nothing bound
-    # (the YAML's note on several replicas: threads bound by OMP_PROC_BIND would share the first cores).
+    # Two replicas on this one machine, each with a draft worker of its own and one thread per process;
+    # the YAML's bind_cores gives two of the four workers a core each and leaves the others unbound.
     args = dict(num_replicas=REPLICAS, capacity=CAPACITY, max_context=MAX_CONTEXT, max_num_seqs=ROWS,
                 max_queued_requests=16, kv_pool_tokens=ROWS * MAX_CONTEXT,  # no preemption: quicker
                 draft_placement="worker", torch_threads=1, worker_env_vars={})

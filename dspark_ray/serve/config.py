@@ -128,7 +128,8 @@ class AppConfig(BaseModel):
         False, description="Each worker process (target shard, draft worker) claims torch_threads CPUs of its "
         "own on its machine and binds its torch thread to them (dspark_ray/serve/cores.py): several replicas or "
         "shards on one CPU box never share a core, and a preempted worker waits only for its own. A worker that "
-        "finds no CPU free stays unbound. Not with OMP_PROC_BIND/OMP_PLACES in worker_env_vars.",
+        "finds no CPU free stays unbound. Refused beside OpenMP binding variables (OMP_PROC_BIND, OMP_PLACES, ...) "
+        "in worker_env_vars.",
     )
     step_timeout_factor: float = Field(
         10.0, ge=1, description="A worker that has not answered a step within this many times the slowest of "
@@ -325,6 +326,11 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
+        omp_binding = sorted({"OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"}
+                             & set(self.worker_env_vars))
+        if self.bind_cores and omp_binding:
+            raise ValueError(f"bind_cores and worker_env_vars {', '.join(omp_binding)} both bind the workers' "
+                             "threads: OpenMP would bind by the variables and workers could share cores; drop one")
         if self.device == "cuda" and self.cpus_per_shard > 4:
             raise ValueError("cpus_per_shard above 4 on cuda wastes CPUs; the GPU does the work")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_context + self.num_speculative_tokens:
