@@ -98,7 +98,7 @@ from common import BENCH_DIR, OUT_DIR, REPO, machine  # noqa: E402
 from metrics import percentile  # noqa: E402
 
 from dspark_ray.ops.processes import free_port, port_is_free, stop_process, stop_serve_run, wait_port_free  # noqa: E402
-from dspark_ray.serve.timeline import per_step_ms  # noqa: E402
+from dspark_ray.serve.timeline import every_replica, per_step_ms, summed  # noqa: E402
 
 DEFAULT_YAML = REPO / "deploy" / "dspark.yaml"
 VLLM_VENV = BENCH_DIR / ".vllm-venv"
@@ -224,17 +224,6 @@ def median_rows(rows: list[Row]) -> list[Row]:
         row.timeline_ms, row.steps = summed_timeline(runs)
         out.append(row)
     return out
-
-
-def summed_snapshots(snapshots: list[dict]) -> dict:
-    """Timeline snapshots (``{phase: {"seconds", "count"}}``, one per replica) added phase by phase."""
-    total: dict[str, dict[str, float]] = {}
-    for snap in snapshots:
-        for phase, t in snap.items():
-            acc = total.setdefault(phase, {"seconds": 0.0, "count": 0})
-            acc["seconds"] += t.get("seconds", 0.0)
-            acc["count"] += t.get("count", 0)
-    return total
 
 
 def summed_timeline(runs: list[Row]) -> tuple[dict[str, float], int | None]:
@@ -791,22 +780,15 @@ class DsparkServed:
         return any(a.status == ApplicationStatus.RUNNING for a in apps.values())
 
     def timeline(self) -> dict | None:
-        """The per-step timeline summed over the application's replicas. Each replica answers ``GET /stats``
-        for itself, and a new connection reaches any one of them (they share the port, SO_REUSEPORT), so
-        this asks on new connections until every replica has answered; None if one never does, or if the
-        number of replicas is not fixed (autoscaling)."""
+        """The per-step timeline summed over the application's replicas (timeline.every_replica); None if
+        one never answers, or if the number of replicas is not fixed (autoscaling)."""
         cfg = self.app["config"]
         if cfg.autoscaling_config is not None:
             return None
-        seen: dict[str, dict] = {}
-        for _ in range(16 * cfg.num_replicas):
-            stats = get_json(f"{self.base_url}/stats", timeout_s=30)  # urllib: a new connection each time
-            if stats is None:
-                return None
-            seen[stats.get("replica", "")] = stats.get("timeline") or {}
-            if len(seen) == cfg.num_replicas:
-                return summed_snapshots(list(seen.values()))
-        return None
+        # urllib: a new connection each time
+        stats = every_replica(lambda: get_json(f"{self.base_url}/stats", timeout_s=30), cfg.num_replicas,
+                              attempts=16 * cfg.num_replicas)
+        return None if stats is None else summed([s.get("timeline") or {} for s in stats.values()])
 
     def __exit__(self, *exc) -> None:
         try:
@@ -1146,13 +1128,9 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
             report.notes.append(f"in-process batch {b} is above the YAML's max_num_seqs {cfg.max_num_seqs}: "
                                 "the engine queues the rest, as the served one does")
         generate_traced(engine, random_prompts(engine.tokenizer, b, w.input_len, w.seed + 1), params)  # warm-up
-        if w.range_ratio:
-            lengths = w.lengths(w.prompts(b), w.seed)
-            prompts = random_prompts(engine.tokenizer, len(lengths), [n for n, _ in lengths], w.seed)
-            each = [dataclasses.replace(params, max_tokens=m) for _, m in lengths]
-        else:
-            prompts = random_prompts(engine.tokenizer, w.prompts(b), w.input_len, w.seed)
-            each = [params] * len(prompts)
+        lengths = w.lengths(w.prompts(b), w.seed)  # all (input_len, output_len) without a range ratio
+        prompts = random_prompts(engine.tokenizer, len(lengths), [n for n, _ in lengths], w.seed)
+        each = [dataclasses.replace(params, max_tokens=m) for _, m in lengths]
         traces, seconds = [], 0.0
         for i in range(0, len(prompts), b):
             start_t = time.perf_counter()

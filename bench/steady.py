@@ -102,9 +102,10 @@ def adaptive_state(llm: LLM, batch: int) -> str:
     if controller is None or bucket(batch) not in controller.table:
         return f"adaptive at batch {batch}: nothing measured"
     b = bucket(batch)
-    cells = controller.table[b]
-    measured = " ".join(f"k={k}:{1000 * c.seconds:.1f}ms/{c.n}" if c.n else f"k={k}:-" for k, c in enumerate(cells))
-    fitted = " ".join("-" if t is None else f"{1000 * t:.1f}" for t in controller.step_times(b))
+    row = controller.table_ms()[b]
+    measured = " ".join(f"k={k}:{ms:.1f}ms/{n}" if n else f"k={k}:-"
+                        for k, (ms, n) in enumerate(zip(row["measured"], row["n"])))
+    fitted = " ".join("-" if t is None else f"{t:.1f}" for t in row["fitted"])
     return (f"adaptive at batch {batch} (bucket {b}): measured {measured}; fitted ms {fitted}; "
             f"steps by k so far {dict(sorted(controller.chosen.items()))}")
 

@@ -310,29 +310,27 @@ def serve_replicas(app_name: str) -> list[ServeReplica]:
             if a["State"] == "ALIVE" and a["ActorClassName"].startswith(f"ServeReplica:{app_name}:")]
 
 
-def replica_stats(base_url: str, replicas: int, headers: dict | None = None, attempts: int = 200) -> dict[str, dict]:
-    """``GET /stats`` of each of an application's ``replicas`` replicas, by replica id. Replicas that serve
-    HTTP themselves share the port and a new connection reaches any one of them (SO_REUSEPORT), and each
-    answers for itself: asked on new connections until every one has answered."""
+def app_stats(run: ServeRun, attempts: int = 200) -> dict:
+    """``run``'s application's running and waiting requests, and finished ones by reason, summed over its
+    replicas: each answers ``GET /stats`` for itself (dspark_ray.serve.timeline.every_replica)."""
     import httpx
 
-    seen: dict[str, dict] = {}
-    for _ in range(attempts):
-        r = httpx.get(f"{base_url}/stats", headers=headers, timeout=30)  # a new connection each time
+    from dspark_ray.serve.timeline import every_replica
+
+    def fetch() -> dict:
+        r = httpx.get(f"{run.base_url}/stats", timeout=30)  # a new connection each time
         r.raise_for_status()
-        stats = r.json()
-        seen[stats["replica"]] = stats
-        if len(seen) == replicas:
-            return seen
-    raise AssertionError(f"only {sorted(seen)} of {replicas} replicas answered /stats in {attempts} tries")
+        return r.json()
 
-
-def finished_of(run: ServeRun) -> dict[str, int]:
-    """Requests finished by every replica of ``run``'s application, by reason, summed."""
-    total: dict[str, int] = {}
-    for stats in replica_stats(run.base_url, run.args.get("num_replicas", 1)).values():
-        for reason, n in stats["finished"].items():
-            total[reason] = total.get(reason, 0) + n
+    replicas = run.args.get("num_replicas", 1)
+    each = every_replica(fetch, replicas, attempts)
+    assert each is not None, f"not all {replicas} replicas answered /stats in {attempts} tries"
+    total = {"running": 0, "waiting": 0, "finished": {}}
+    for st in each.values():
+        total["running"] += st["running"]
+        total["waiting"] += st["waiting"]
+        for reason, n in st["finished"].items():
+            total["finished"][reason] = total["finished"].get(reason, 0) + n
     return total
 
 

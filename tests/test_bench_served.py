@@ -554,6 +554,24 @@ def test_client_command_and_how_it_is_shown(tmp_path):
     assert varied.output_range() == (32, 96) and bench.Workload().output_range() == (64, 64)
 
 
+def test_the_replicas_timelines_are_read_from_each_and_summed():
+    """Replicas sharing a port each answer GET /stats for themselves: every_replica asks until each has
+    answered (a fetch reaching one already seen counts for nothing), summed adds their snapshots."""
+    from dspark_ray.serve.timeline import every_replica, summed
+
+    answers = iter([{"replica": "a", "n": 1}, {"replica": "a", "n": 2}, {"replica": "b", "n": 3},
+                    {"replica": "c", "n": 4}])
+    seen = every_replica(lambda: next(answers), replicas=2, attempts=5)
+    assert seen == {"a": {"replica": "a", "n": 2}, "b": {"replica": "b", "n": 3}}
+    assert every_replica(lambda: {"replica": "a"}, replicas=2, attempts=5) is None  # b never answered
+    assert every_replica(lambda: None, replicas=1, attempts=5) is None  # a failed fetch
+    a = {"step": {"seconds": 1.0, "count": 10}, "verify": {"seconds": 0.5, "count": 10}}
+    b = {"step": {"seconds": 3.0, "count": 30}}
+    total = summed([a, b])
+    assert total == {"step": {"seconds": 4.0, "count": 40}, "verify": {"seconds": 0.5, "count": 10}}
+    assert per_step_ms({}, total)["step"] == pytest.approx(100.0)
+
+
 def test_the_inprocess_run_draws_each_request_length_within_the_range(tmp_path, monkeypatch):
     """--range-ratio reaches the in-process engine: its requests ask for different numbers of tokens,
     each within output_len * (1 -+ r), and the report says so (the real engine, the shipped pair)."""

@@ -51,7 +51,7 @@ from serve_fixtures import (  # noqa: F401 - serve_models, served are fixtures
     DEPLOY_YAML,
     ServeReplica,
     ServeRun,
-    finished_of,
+    app_stats,
     serve_models,
     served,
     serve_replicas,
@@ -274,7 +274,7 @@ def test_oversized_bodies_get_413_and_take_no_slot(served):
     limit = 1_000_000  # AppConfig.max_request_bytes, which the shipped YAML leaves at its default
     assert "max_request_bytes" not in served.args
     before = slot_snapshot(served.app_name)
-    before_finished = finished_of(served)
+    before_finished = app_stats(served)["finished"]
     big = json.dumps(body(served.model, "x " * (limit // 2 + 10), 8)).encode()
     assert len(big) > limit
 
@@ -302,7 +302,7 @@ def test_oversized_bodies_get_413_and_take_no_slot(served):
     after = slot_snapshot(served.app_name)
     assert after.live == ()
     assert after.counters.allocations == before.counters.allocations + 1, "an oversized body took a slot"
-    finished = finished_of(served)  # summed over the shipped YAML's replicas
+    finished = app_stats(served)["finished"]  # summed over the shipped YAML's replicas
     assert sum(finished.values()) == sum(before_finished.values()) + 1, (before_finished, finished)
 
 

@@ -30,7 +30,7 @@ from ray import serve
 from dspark_ray.ops.processes import free_port
 from dspark_ray.serve.app import build_app
 from serve_fixtures import (  # noqa: F401 - fixtures
-    ServeRun, replica_stats, serve_models, served, slot_snapshot, wait_for,
+    ServeRun, app_stats, serve_models, served, slot_snapshot, wait_for,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -55,18 +55,6 @@ def client(served: ServeRun):
 def http(served: ServeRun):
     with httpx.Client(base_url=served.base_url, timeout=120) as c:
         yield c
-
-
-def stats(run: ServeRun) -> dict:
-    """The shipped application's running and waiting requests and finished ones by reason, summed over its
-    replicas (each answers GET /stats for itself: serve_fixtures.replica_stats)."""
-    total = {"running": 0, "waiting": 0, "finished": {}}
-    for st in replica_stats(run.base_url, run.args.get("num_replicas", 1)).values():
-        total["running"] += st["running"]
-        total["waiting"] += st["waiting"]
-        for reason, n in st["finished"].items():
-            total["finished"][reason] = total["finished"].get(reason, 0) + n
-    return total
 
 
 def extension(obj, name: str):
@@ -323,7 +311,7 @@ def bad_inputs(model: str, max_context: int) -> list[tuple[str, str, object, str
 
 
 def test_bad_inputs_get_400_naming_the_field_and_take_no_slot(served, http, client):
-    before_slots, before_stats = slot_snapshot(served.app_name), stats(served)
+    before_slots, before_stats = slot_snapshot(served.app_name), app_stats(served)
     failures = []
     for label, route, body, param in bad_inputs(served.model, served.args["max_context"]):
         if isinstance(body, bytes):
@@ -345,7 +333,7 @@ def test_bad_inputs_get_400_naming_the_field_and_take_no_slot(served, http, clie
         client.completions.create(model=served.model, prompt="Hello", max_tokens=8, temperature=5)
     assert info.value.body["param"] == "temperature"
 
-    after_slots, after_stats = slot_snapshot(served.app_name), stats(served)
+    after_slots, after_stats = slot_snapshot(served.app_name), app_stats(served)
     assert after_slots.counters == before_slots.counters, "a bad request took (or freed) a slot"
     assert after_slots.live == ()
     assert after_stats["finished"] == before_stats["finished"], "a bad request reached the engine"
@@ -360,7 +348,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served, client):
     once, while a request running beside it finishes exactly as it would alone."""
     bystander = dict(model=served.model, prompt=PROMPTS[3], max_tokens=32, temperature=0)
     alone = client.completions.create(**bystander).choices[0].text
-    before = stats(served)["finished"]
+    before = app_stats(served)["finished"]
     body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": served.args["max_context"] - 64,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with ThreadPoolExecutor(1) as pool:
@@ -384,11 +372,11 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(served, client):
         assert beside.result(timeout=120) == alone, "the disconnect disturbed a request running beside it"
 
     def both_finished():
-        f = stats(served)["finished"]
+        f = app_stats(served)["finished"]
         return f if sum(f.values()) == sum(before.values()) + 2 else None
 
     after = wait_for(both_finished, 10)
-    assert after, f"expected 2 more finished requests: before {before}, now {stats(served)['finished']}"
+    assert after, f"expected 2 more finished requests: before {before}, now {app_stats(served)['finished']}"
     assert after.get("abort", 0) == before.get("abort", 0) + 1, f"not aborted: {before} -> {after}"
     assert took < 5, f"the slot was freed {took:.1f}s after the disconnect"
 
@@ -469,7 +457,7 @@ def test_afterwards_no_live_slot_and_counters_balance(served):
     assert snap.free == snap.capacity == served.args["capacity"]
     assert c.allocations > 0 and c.allocations + c.restored == c.releases, c
     assert c.stale_releases == 0, c
-    st = stats(served)
+    st = app_stats(served)
     assert st["running"] == 0 and st["waiting"] == 0, st
     assert "error" not in st["finished"], st
     assert sum(st["finished"].values()) == c.allocations, (st, c)

@@ -251,6 +251,14 @@ class SpecController:
                 times[k] = mt + slope * (k - mk)
         return times
 
+    def table_ms(self) -> dict[int, dict[str, list]]:
+        """Per batch bucket: the step time measured at each k (ms, None: not measured), the steps measured,
+        and the fitted times it decides by (``step_times``): what ``GET /stats`` and bench/steady.py show."""
+        return {b: {"measured": [round(1000 * c.seconds, 2) if c.n else None for c in cells],
+                    "n": [c.n for c in cells],
+                    "fitted": [None if t is None else round(1000 * t, 2) for t in self.step_times(b)]}
+                for b, cells in sorted(self.table.items())}
+
     def observe(self, batch: int, k: int, seconds: float) -> None:
         """The wall time of a steady step of ``batch`` rows that chose ``k``."""
         if 0 <= k <= self.max_k and batch > 0:

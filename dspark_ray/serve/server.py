@@ -430,7 +430,9 @@ class DSparkServer:
             "finished": dict(engine.counters.finished),
             "steps": engine.counters.steps,
             "spec_k_steps": {str(k): n for k, n in sorted(engine.counters.spec_k_steps.items())},
-            "adaptive_ms": _adaptive_table(engine),
+            # Adaptive speculation's step-time table per batch bucket (engine/adaptive.py); {} without it.
+            "adaptive_ms": {} if engine.spec_controller is None else
+            {str(b): row for b, row in engine.spec_controller.table_ms().items()},
             "draft_failures": engine.counters.draft_failures,
             "target_failures": engine.counters.target_failures,
             "resumed_after_target_failure": engine.counters.resumed_after_target_failure,
@@ -600,15 +602,3 @@ def _usage(out: RequestOutput) -> Usage:
 
 # The app is late-bound: Serve calls ``__serve_build_asgi_app__`` on each replica after the constructor.
 DSparkIngress = serve.ingress()(DSparkServer)
-
-
-def _adaptive_table(engine) -> dict:
-    """Adaptive speculation's step-time table (ms per k, None: not measured), per batch bucket, with the
-    steps each k measured (engine/adaptive.py); empty without adaptive speculation."""
-    c = engine.spec_controller
-    if c is None:
-        return {}
-    return {str(b): {"measured": [round(1000 * x.seconds, 2) if x.n else None for x in cells],
-                     "n": [x.n for x in cells],
-                     "fitted": [None if t is None else round(1000 * t, 2) for t in c.step_times(b)]}
-            for b, cells in sorted(c.table.items())}

@@ -3,7 +3,9 @@
 Cumulative seconds and counts per phase, kept by the engine thread and read
 by ``DSparkServer.stats()`` (``GET /stats``, the handle's ``stats``). A
 benchmark takes a snapshot before and after a load and divides the
-difference by the number of steps: ms per step for each phase.
+difference by the number of steps: ms per step for each phase. Each replica
+answers ``GET /stats`` for itself (``replica`` names it); ``every_replica``
+asks until each has answered, and ``summed`` adds their snapshots.
 
 Phases (per engine step unless noted):
 
@@ -31,6 +33,7 @@ Phases (per engine step unless noted):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -69,3 +72,32 @@ def per_step_ms(before: dict, after: dict) -> dict[str, float]:
         seconds = total["seconds"] - before.get(name, {}).get("seconds", 0.0)
         out[name] = 1000.0 * seconds / steps
     return out
+
+
+def summed(snapshots: list[dict]) -> dict[str, dict[str, float]]:
+    """Snapshots (``{phase: {"seconds", "count"}}``, one per replica) added phase by phase."""
+    total: dict[str, dict[str, float]] = {}
+    for snap in snapshots:
+        for phase, t in snap.items():
+            acc = total.setdefault(phase, {"seconds": 0.0, "count": 0})
+            acc["seconds"] += t.get("seconds", 0.0)
+            acc["count"] += t.get("count", 0)
+    return total
+
+
+def every_replica(fetch: Callable[[], dict | None], replicas: int, attempts: int) -> dict[str, dict] | None:
+    """``GET /stats`` of each of an application's ``replicas`` replicas, by its ``replica`` name.
+
+    Replicas serving HTTP themselves share the port and a new connection reaches any one of them
+    (SO_REUSEPORT), so ``fetch`` (one ``GET /stats`` on a new connection; None if it failed) is called
+    until every replica has answered; None if a fetch fails or ``attempts`` run out first."""
+    seen: dict[str, dict] = {}
+    for _ in range(attempts):
+        stats = fetch()
+        if stats is None:
+            return None
+        seen[stats.get("replica", "")] = stats
+        if len(seen) == replicas:
+            return seen
+    return None
+
