@@ -7,6 +7,8 @@ use them do not pay for the import.
 from __future__ import annotations
 
 import copy
+import functools
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,20 @@ REPO = Path(__file__).resolve().parent.parent
 SHIPPED_TARGET = REPO / "models" / "shakespeare-target"
 SHIPPED_DRAFT = REPO / "models" / "shakespeare-draft"
 SHIPPED_DSPARK = REPO / "models" / "shakespeare-dspark"  # the target's DSpark block draft
+# vLLM's CPU build, in a venv of its own (bench/setup_vllm.sh; tests/run.sh runs it and warns if it fails).
+VLLM_PYTHON = REPO / "bench" / ".vllm-venv" / "bin" / "python"
+NO_VLLM = ("bench/.vllm-venv is missing or has no vLLM in it (bash bench/setup_vllm.sh installs it; "
+           "tests/run.sh printed why it failed)")
+
+
+@functools.cache
+def vllm_installed() -> bool:
+    """bench/.vllm-venv exists and has vLLM in it: an install that failed half-way leaves a venv without it,
+    and then every test that needs vLLM is skipped, saying so, rather than failing on an import."""
+    if not VLLM_PYTHON.is_file():
+        return False
+    probe = [str(VLLM_PYTHON), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
+    return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
 
 # The smallest shapes that still exercise GQA, several layers and several heads.
 TINY = dict(

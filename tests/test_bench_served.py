@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import NO_VLLM, REPO, vllm_installed
 from dspark_ray.serve.timeline import per_step_ms
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -674,21 +674,9 @@ def test_dspark_bench_served_runs_this_script(capsys):
 
 # -- vLLM's client against a real `serve run` ---------------------------------------------------------
 
-VLLM_PYTHON = bench.VLLM_VENV / "bin" / "python"
-
-
-def vllm_installed() -> bool:
-    """bench/.vllm-venv exists and has vLLM in it (an install that failed half-way leaves a venv without)."""
-    if not VLLM_PYTHON.is_file():
-        return False
-    probe = [str(VLLM_PYTHON), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
-    return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
-
-
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_installed(), reason="bench/.vllm-venv is missing or has no vLLM in it "
-                    "(bash bench/setup_vllm.sh installs vLLM's benchmark client; tests/run.sh says if it failed)")
+@pytest.mark.skipif(not vllm_installed(), reason=NO_VLLM)
 def test_vllm_benchmark_client_against_serve_run(served: ServeRun, serve_models: ServeModels, tmp_path):
     w = bench.Workload(output_len=16, num_prompts=6)
     cmd = bench.client_command(bench.vllm_cli(), served.base_url, served.model, serve_models.target, w,
