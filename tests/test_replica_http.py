@@ -6,15 +6,22 @@ on a thread of its own. Here its engine services are in process
 ``serve run`` is exercised by test_serve_app.py and the other served tests
 (the shipped YAML serves HTTP this way). Also: replicas sharing one port
 (SO_REUSEPORT), a port held by another program, stopping with a stream in
-flight, and the autoscaling policy that counts what the replicas hold.
+flight, the autoscaling policy that counts what the replicas hold, and the
+load board by which replicas sharing a port even out their connections.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,6 +34,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from dspark_ray.engine.local import LocalServices
 from dspark_ray.serve.autoscaling import ONGOING_METRIC, POLICY_PATH, ongoing_requests_policy, with_policy
+from dspark_ray.serve.balance import LoadBoard
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.http import APP_HEADER, HTTPAddressInUse, ReplicaHTTP, serving_app
 from dspark_ray.serve.server import DSparkServer
@@ -230,3 +238,101 @@ def test_the_builder_puts_the_policy_in_and_pins_replicas_to_the_head_node(serve
 
 def test_the_replica_reports_what_its_engine_holds(server):
     assert server.record_autoscaling_stats() == {ONGOING_METRIC: 0.0}
+
+
+# -- balancing the replicas that share a port (dspark_ray/serve/balance.py) ---------------------------------------
+
+
+def held_app(release: threading.Event) -> FastAPI:
+    """A generation route whose streams stay open until ``release`` is set."""
+    api = FastAPI()
+
+    @api.post("/v1/completions")
+    async def completions():
+        async def gen():
+            yield "data: started\n\n"
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @api.get("/who")
+    async def who():
+        return {"name": "held"}
+
+    return api
+
+
+def test_a_crowded_replica_asks_its_clients_to_reconnect_and_a_balanced_one_does_not():
+    release = threading.Event()
+    http = ReplicaHTTP(held_app(release), "127.0.0.1", 0, balance=True)
+    peer = LoadBoard(http.port)  # a second replica of the same port, holding nothing yet
+    base = f"http://127.0.0.1:{http.port}"
+    try:
+        with contextlib.ExitStack() as stack:
+            clients = [stack.enter_context(httpx.Client(base_url=base, timeout=10)) for _ in range(4)]
+            opened = [stack.enter_context(c.stream("POST", "/v1/completions")) for c in clients[:3]]
+            # 1 open against the peer's 0 is even; 2 and 3 against 0 are more than one ahead.
+            assert [r.headers.get("connection") for r in opened] == [None, "close", "close"]
+            assert (http.board.open, http.board.closed, peer.peer_counts()) == (3, 2, {http.board.name: 3})
+            assert clients[3].get("/who").headers.get("connection") is None  # other routes neither count nor close
+            for _ in range(2):
+                peer.enter()  # the peer now holds 2: a fourth stream (4 against 2) is still two ahead
+            fourth = stack.enter_context(clients[3].stream("POST", "/v1/completions"))
+            assert fourth.headers.get("connection") == "close"
+            peer.enter()
+            release.set()
+            assert all(list(r.iter_lines())[-2:] == ["data: [DONE]", ""] for r in [*opened, fourth])
+        # Every response ran to its end and the board counts none open; with the peer at 3, a new
+        # stream here (1 open) is not crowded.
+        assert http.board.open == 0
+        with httpx.Client(base_url=base, timeout=10) as client:
+            assert client.post("/v1/completions").headers.get("connection") is None
+        assert http.board.closed == 3
+    finally:
+        release.set()
+        peer.close()
+        http.stop()
+    assert not any(http.board.dir.iterdir())  # both replicas left the board
+
+
+def test_a_dead_replica_drops_off_the_board():
+    board = LoadBoard(1, directory=Path(tempfile.mkdtemp()), refresh_s=0)
+    code = ("import sys, time; from pathlib import Path; from dspark_ray.serve.balance import LoadBoard\n"
+            f"b = LoadBoard(1, directory=Path({str(board.dir.parent)!r}))\n"
+            "[b.enter() for _ in range(5)]\nprint(b.name, flush=True)\ntime.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = other.stdout.readline().strip()
+        assert board.peer_counts() == {name: 5}
+        for _ in range(2):
+            board.enter()
+        assert not board.crowded()  # 2 against 5
+    finally:
+        other.kill()
+        other.wait()
+    # The kernel dropped the dead replica's lock: the next look removes its file and stops counting it.
+    assert board.peer_counts() == {} and not (board.dir / name).exists()
+    assert not board.crowded()  # a lone replica never closes
+    board.close()
+    assert not any(board.dir.iterdir())
+
+
+def test_the_replica_counts_the_connections_it_closed_in_stats(server, serve_models):
+    peer = LoadBoard(server.http.port)  # a second replica of the port, holding nothing
+    body = {"model": serve_models.name, "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    before = httpx.get(f"{url(server)}/stats", timeout=10).json()["rebalanced"]
+    try:
+        with httpx.Client(timeout=60) as first, httpx.Client(timeout=60) as second:
+            with first.stream("POST", f"{url(server)}/v1/completions", json=body) as one, \
+                    second.stream("POST", f"{url(server)}/v1/completions", json=body) as two:
+                assert (one.headers.get("connection"), two.headers.get("connection")) == (None, "close")
+                lines = [[x for x in r.iter_lines() if x.startswith("data: ")] for r in (one, two)]
+        texts = ["".join(json.loads(x[6:])["choices"][0]["text"] for x in got[:-1]) for got in lines]
+        assert [got[-1] for got in lines] == ["data: [DONE]"] * 2  # the closed one streamed to its end too
+        assert texts[0] == texts[1] and json.loads(lines[1][-2][6:])["choices"][0]["finish_reason"] == "length"
+    finally:
+        peer.close()
+    assert httpx.get(f"{url(server)}/stats", timeout=10).json()["rebalanced"] == before + 1

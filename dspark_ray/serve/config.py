@@ -215,6 +215,13 @@ class AppConfig(BaseModel):
         "null: HTTP only through Serve's proxy (http_options in the YAML). The shipped YAMLs set 8000 and "
         "proxy_location: Disabled.",
     )
+    balance_connections: bool = Field(
+        True, description="With http_port: the replicas sharing the port on a machine even out their open "
+        "generation requests. A replica holding more than one more than its least loaded peer answers with "
+        "Connection: close, so the client's next request opens a new connection, which the kernel deals "
+        "afresh (dspark_ray/serve/balance.py). Kept-alive connections otherwise stay on the replica they "
+        "were dealt for good. false: for a load balancer in front that spreads requests itself.",
+    )
     http_host: str = Field(
         "127.0.0.1", min_length=1, description="Address the replica's own HTTP server binds (http_port); "
         "0.0.0.0 to be reachable from other machines (set api_key; runbooks/security.md).",

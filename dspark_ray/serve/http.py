@@ -33,10 +33,14 @@ import time
 
 import uvicorn
 
+from dspark_ray.serve.balance import LoadBoard, balanced
 from dspark_ray.serve.metrics import HTTPMetrics
 
 log = logging.getLogger(__name__)
 
+
+# The routes whose requests count toward a replica's load (dspark_ray/serve/balance.py).
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # Every /health answer of a replica names its application, so that a replica about to share a
 # port can tell whether the replicas already there are its own (shared_socket's probe).
@@ -119,14 +123,18 @@ class ReplicaHTTP:
     served by another application: ``shared_socket``). ``stop`` closes the
     listening socket first (new connections go to the node's other
     replicas), then waits up to ``grace_s`` for open responses to finish.
+    With ``balance``, the replicas sharing the port even out their open
+    generation requests by asking clients to reconnect (``balance.py``).
     """
 
     def __init__(self, app, host: str, port: int, metrics: HTTPMetrics | None = None,
-                 startup_timeout_s: float = 30.0, app_name: str | None = None) -> None:
+                 startup_timeout_s: float = 30.0, app_name: str | None = None, balance: bool = False) -> None:
         self.host, self.port = host, port
         self._sock = shared_socket(host, port, app_name)
         self.port = self._sock.getsockname()[1]  # the port asked for, or the one given for 0
-        asgi = metrics.wrap(app) if metrics is not None else app
+        self.board = LoadBoard(self.port) if balance else None
+        asgi = balanced(app, self.board, GENERATION_ROUTES) if self.board is not None else app
+        asgi = metrics.wrap(asgi) if metrics is not None else asgi
         self._server = uvicorn.Server(uvicorn.Config(
             asgi, log_config=None, access_log=False, lifespan="off", http="auto", ws="none",
             timeout_keep_alive=30, timeout_graceful_shutdown=None))
@@ -159,14 +167,18 @@ class ReplicaHTTP:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, let open responses finish for up to ``grace_s``, then close them (idempotent)."""
-        if not self._thread.is_alive():
-            return
-        self._server.should_exit = True
-        self._thread.join(grace_s)
-        if self._thread.is_alive():
-            self._server.force_exit = True
-            self._thread.join(5)
         try:
-            self._sock.close()
-        except OSError:
-            pass
+            if not self._thread.is_alive():
+                return
+            self._server.should_exit = True
+            self._thread.join(grace_s)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(5)
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        finally:
+            if self.board is not None:
+                self.board.close()

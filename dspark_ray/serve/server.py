@@ -206,7 +206,8 @@ class DSparkServer:
                                target_recovery_timeout_s=cfg.target_recovery_timeout_s)
         if cfg.http_port is not None:  # the replica's own listener (dspark_ray/serve/http.py says why)
             self.http = ReplicaHTTP(self.build_api(), cfg.http_host, cfg.http_port,
-                                    HTTPMetrics(cfg.model_name, replica), app_name=app_name)
+                                    HTTPMetrics(cfg.model_name, replica), app_name=app_name,
+                                    balance=cfg.balance_connections)
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
     def build_api(self, echo_request_id: bool = True) -> FastAPI:
@@ -424,6 +425,8 @@ class DSparkServer:
         engine = self.loop.engine
         return {
             "replica": self.replica,  # each replica answers for itself (a new connection reaches any one)
+            # Responses that asked the client to reconnect, to even out the replicas (serve/balance.py).
+            "rebalanced": 0 if self.http is None or self.http.board is None else self.http.board.closed,
             "running": len(engine.scheduler.running),
             "waiting": self.loop.num_waiting(),
             "kv_capacity": engine.target.kv_capacity(),

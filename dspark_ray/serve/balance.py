@@ -1,0 +1,167 @@
+"""Connection balancing between the replicas that share one HTTP port on a machine.
+
+NOTE: why. The replicas of a node share their listening port (SO_REUSEPORT,
+``dspark_ray/serve/http.py``) and the kernel deals each new connection to one
+of them by a hash of its addresses. Clients keep their connections alive
+(vLLM's benchmark client, the openai client, httpx and aiohttp pools), so a
+replica keeps every later request of each connection it was dealt. With 8
+connections over 2 replicas, one replica is dealt 5 or more of them 73% of
+the time (binomial), and its streams run slower for the whole run while the
+other replica idles: a served run at concurrency 8 had one replica finish 86
+requests and the other 42 (bench/HISTORY.md, sixteenth session).
+
+How: each replica publishes its count of open completion requests in a file of
+its own under a directory per port (``board_dir``), which it holds under an
+exclusive ``flock`` for its life; its peers read the count through ``mmap``
+(no system call per request). A replica that starts a response while it holds
+more than one request more than its least loaded live peer answers with
+``Connection: close``: the response completes as usual, and the client's next
+request opens a new connection, which the kernel deals afresh. Nothing is
+refused or moved, a balanced set of replicas closes nothing, and a lone
+replica never closes. The kernel drops a dead replica's lock; the next peer
+to look removes its file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CLOSE = (b"connection", b"close")
+_COUNT = struct.Struct("<q")
+
+
+def board_dir() -> Path:
+    """This machine's directory of load boards (one per user; a subdirectory per port)."""
+    return Path(tempfile.gettempdir()) / f"dspark-load-{os.getuid()}"
+
+
+class LoadBoard:
+    """This replica's count of open requests, published to the replicas that share ``port``, and theirs.
+
+    Used from one thread (the replica's HTTP event loop). ``refresh_s``: how often the set of peers
+    is looked up again (a new replica is seen, a dead one dropped, within that long)."""
+
+    def __init__(self, port: int, directory: Path | None = None, refresh_s: float = 1.0) -> None:
+        self.dir = (directory or board_dir()) / str(port)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.refresh_s = refresh_s
+        self.name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        # Locked before it gets its name: a peer never sees it unlocked and takes it for dead.
+        tmp = self.dir / f".{self.name}.new"
+        self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.ftruncate(self._fd, _COUNT.size)
+        self._mine = mmap.mmap(self._fd, _COUNT.size)
+        os.rename(tmp, self.dir / self.name)
+        self.open = 0  # open requests here
+        self.closed = 0  # responses that asked the client to reconnect (Connection: close)
+        self._peers: dict[str, mmap.mmap] = {}
+        self._looked = float("-inf")
+
+    def enter(self) -> None:
+        self.open += 1
+        self._publish()
+
+    def leave(self) -> None:
+        self.open -= 1
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._fd >= 0:  # after close (a response cut at shutdown ends late) there is no one to tell
+            _COUNT.pack_into(self._mine, 0, self.open)
+
+    def peer_counts(self) -> dict[str, int]:
+        """The open-request count of every live peer (not this replica)."""
+        if time.monotonic() - self._looked >= self.refresh_s:
+            self._look()
+        return {name: _COUNT.unpack_from(view, 0)[0] for name, view in self._peers.items()}
+
+    def crowded(self) -> bool:
+        """This replica holds more than one open request more than its least loaded peer."""
+        if self._fd < 0:
+            return False
+        counts = self.peer_counts()
+        return bool(counts) and self.open > min(counts.values()) + 1
+
+    def _look(self) -> None:
+        """Map every live peer's file; remove the files of dead ones (no lock held on them)."""
+        self._looked = time.monotonic()
+        try:
+            names = {p.name for p in self.dir.iterdir() if not p.name.startswith(".") and p.name != self.name}
+        except OSError:
+            names = set()
+        for gone in set(self._peers) - names:
+            self._peers.pop(gone).close()
+        for name in names:
+            path = self.dir / name
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:  # removed meanwhile
+                self._drop(name)
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # its replica holds it: alive
+                    if name not in self._peers and os.fstat(fd).st_size >= _COUNT.size:
+                        self._peers[name] = mmap.mmap(fd, _COUNT.size, access=mmap.ACCESS_READ)
+                    continue
+                self._drop(name)  # nobody holds it: its replica died
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            finally:
+                os.close(fd)
+
+    def _drop(self, name: str) -> None:
+        view = self._peers.pop(name, None)
+        if view is not None:
+            view.close()
+
+    def close(self) -> None:
+        """Leave the board (idempotent): peers stop counting this replica."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            (self.dir / self.name).unlink()
+        for view in self._peers.values():
+            view.close()
+        self._peers.clear()
+        self._mine.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def balanced(app, board: LoadBoard, routes: frozenset[str]):
+    """``app`` (ASGI) with the requests to ``routes`` counted on ``board``, and ``Connection: close``
+    on a response started while this replica is crowded (``LoadBoard.crowded``)."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") not in routes:
+            return await app(scope, receive, send)
+
+        async def send_balanced(message):
+            if message["type"] == "http.response.start" and board.crowded():
+                headers = list(message.get("headers", ()))
+                if CLOSE not in headers:
+                    message = {**message, "headers": [*headers, CLOSE]}
+                board.closed += 1
+            await send(message)
+
+        board.enter()
+        try:
+            await app(scope, receive, send_balanced)
+        finally:
+            board.leave()
+
+    return wrapped
