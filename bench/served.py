@@ -29,9 +29,13 @@ started and kept up together, each on its own port, and the client runs are
 interleaved: for each of --rounds rounds and each concurrency level, one run
 against each server, back to back, the first system alternating from one round
 to the next (round 1: dspark then vllm, round 2: vllm then dspark, ...), after
-one warm-up run per server. An idle server takes next to no CPU, so the one
-not being measured does not disturb the other; the report notes both servers'
-idle CPU, sampled from /proc/<pid>/stat after the warm-ups, to show it. The
+one warm-up run per server. The server not being measured is frozen for the
+run (SIGSTOP to every process of its tree, SIGCONT after; --no-freeze keeps it
+running): idle, vLLM's server still took about 0.1 of the 2-core box's cores
+(its engine core and API server polling), dspark_ray's about 0.01, and a
+user's machine runs one of them, not both. The report notes both servers'
+idle CPU, sampled from /proc/<pid>/stat after the warm-ups, and the CPU the
+other server took during each run (about 0 when frozen). The
 headline dspark / vLLM ratio at a level is the median of its per-round ratios.
 The in-process engine runs after both servers are stopped, never beside them.
 With one served system the rounds simply repeat it; --sequential keeps the old
@@ -388,7 +392,8 @@ class Report:
             "speculative step streams several tokens), TPOT per token.",
             f"{rounds} round{'s' if rounds > 1 else ''} per level{'; ' + self.order if self.order else ''}. "
             "Figures are medians over the rounds; dspark / vLLM is the median of the per-round ratios. "
-            "Other server's CPU: the cores the other server, up and idle, took during a run.",
+            "Other server's CPU: the cores the other server, up and idle (frozen unless --no-freeze), took "
+            "during a run.",
             ratio_table(self.rows),
         ]
         if per_round := rounds_table(self.rows):
@@ -928,7 +933,10 @@ def measure(run: Run, servers: dict[str, Server], args: argparse.Namespace, repo
         window.update(processes=process_table(), machine=cpu_times(), started=time.monotonic())
 
     before = server.timeline()
-    result = client(server, args, report, c, w.prompts(c), name, on_start=requests_begin)
+    others = set().union(*(pids for s, pids in server_trees(servers, process_table()).items()
+                           if s != run.system)) if args.freeze else set()
+    with frozen(others):  # before the client starts: its process is none of theirs
+        result = client(server, args, report, c, w.prompts(c), name, on_start=requests_begin)
     after = server.timeline()
     if before is not None and after is not None:
         (args.raw / f"{name}.timeline.json").write_text(json.dumps({"before": before, "after": after}))
@@ -950,6 +958,35 @@ def measure(run: Run, servers: dict[str, Server], args: argparse.Namespace, repo
     report.rows.append(row)
     report.save()
     print_row(row)
+
+
+@contextlib.contextmanager
+def frozen(pids: set[int]) -> Iterator[None]:
+    """The processes ``pids`` stopped (SIGSTOP) for the block and continued (SIGCONT) after it, however it
+    ends. Kept short (one client run): Serve's health checks time out after 30 s of wall clock."""
+    stopped: list[int] = []
+    try:
+        for pid in sorted(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        deadline = time.monotonic() + 2.0  # a signal is delivered when its process next runs
+        while any(process_state(p) not in ("T", None) for p in stopped) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (R running, S sleeping, T stopped, ...); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def server_trees(servers: dict[str, Server], table: dict[int, ProcessTicks]) -> dict[str, set[int]]:
@@ -1152,6 +1189,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 4*c))")
     ap.add_argument("--rounds", type=int, default=2,
                     help="client runs per system and level; the headline is the median over them (default 2)")
+    ap.add_argument("--freeze", action=argparse.BooleanOptionalAction, default=True,
+                    help="stop the servers not being measured for each run (SIGSTOP/SIGCONT), so that their idle "
+                         "polling takes no core from the one measured (default: on)")
     ap.add_argument("--sequential", action="store_true",
                     help="one system after the other, each alone on the machine, instead of both servers up "
                          "together with their runs interleaved")

@@ -716,3 +716,37 @@ def test_served_ab_puts_both_configurations_in_one_serve_config(tmp_path):
     b_path.write_text(yaml.safe_dump(variant))
     with pytest.raises(bench.SystemUnavailable, match="http_port"):
         served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path)
+
+
+def _continued(pid: int) -> str | None:
+    """The process's state once it has left "stopped" (SIGCONT, too, is delivered when it next runs)."""
+    deadline = time.monotonic() + 5
+    while (state := bench.process_state(pid)) == "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state
+
+
+def test_frozen_stops_a_server_s_processes_for_the_run_and_continues_them_however_it_ends():
+    """The server not being measured is stopped for the run (its idle polling took a tenth of a core on the
+    2-core box), its whole tree, and continued after: on an error too."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        with bench.frozen({busy.pid, sleeper.pid}):
+            assert bench.process_state(busy.pid) == bench.process_state(sleeper.pid) == "T"  # stopped
+            ticks = bench.process_table()[busy.pid].ticks
+            time.sleep(0.3)
+            assert bench.process_table()[busy.pid].ticks == ticks  # a stopped process takes no CPU
+        assert _continued(busy.pid) in ("R", "S") and _continued(sleeper.pid) in ("R", "S")
+        ticks = bench.process_table()[busy.pid].ticks
+        time.sleep(0.3)
+        assert bench.process_table()[busy.pid].ticks > ticks  # running again
+        with pytest.raises(RuntimeError), bench.frozen({busy.pid}):
+            raise RuntimeError("the client failed")
+        assert _continued(busy.pid) in ("R", "S")
+        with bench.frozen({busy.pid, 999_999_999}):  # a process gone meanwhile is no error
+            assert bench.process_state(999_999_999) is None
+    finally:
+        for proc in (busy, sleeper):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
