@@ -129,3 +129,23 @@ def test_a_draft_worker_with_bind_cores_binds_its_torch_thread(tmp_path, monkeyp
         assert claim_cores(1, tmp_path).cores == ((CPUS[-2],) if len(CPUS) > 1 else ())
     finally:
         worker.cores.release()
+
+
+def test_an_application_can_claim_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """DSPARK_CORES_DIR (a worker's env, set through worker_env_vars) puts an application's claims apart: two
+    applications measured one at a time (bench/served_ab.py) each bind all the cores."""
+    from dspark_ray.serve import cores
+
+    proc, theirs = holder(len(CPUS), tmp_path / "a")  # application A holds every CPU in its directory
+    try:
+        assert sorted(theirs) == CPUS
+        monkeypatch.setenv("DSPARK_CORES_DIR", str(tmp_path / "b"))
+        assert cores.claims_dir() == tmp_path / "b"
+        claim = claim_cores(1)  # the default directory, now B's
+        assert claim.cores == (CPUS[-1],)
+        claim.release()
+        monkeypatch.delenv("DSPARK_CORES_DIR")
+        assert cores.claims_dir().name == f"dspark-cores-{os.getuid()}"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -42,8 +42,11 @@ log = logging.getLogger(__name__)
 
 
 def claims_dir() -> Path:
-    """This machine's directory of per-CPU claim files (one per user)."""
-    return Path(tempfile.gettempdir()) / f"dspark-cores-{os.getuid()}"
+    """This machine's directory of per-CPU claim files (one per user). ``DSPARK_CORES_DIR`` in a worker's
+    environment (``worker_env_vars``) gives its application a directory of its own: its workers then
+    bind beside another application's rather than around them, as an A/B of two applications that
+    run one at a time wants (bench/served_ab.py)."""
+    return Path(os.environ.get("DSPARK_CORES_DIR") or Path(tempfile.gettempdir()) / f"dspark-cores-{os.getuid()}")
 
 
 @dataclass
