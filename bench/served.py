@@ -980,6 +980,22 @@ def frozen(pids: set[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
+def processes_with_env(name: str, value: str) -> set[int]:
+    """The processes whose environment has ``name=value`` (from /proc/<pid>/environ; others' unreadable
+    ones are left out)."""
+    want = f"{name}={value}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        found.add(int(entry))
+            except OSError:  # gone, or not ours to read
+                pass
+    return found
+
+
 def process_state(pid: int) -> str | None:
     """The state letter of /proc/<pid>/stat (R running, S sleeping, T stopped, ...); None if it is gone."""
     try:

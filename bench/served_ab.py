@@ -11,8 +11,17 @@ becomes one application of a single ``serve run`` (A on --port, B on
 this script starts, and ``vllm bench serve`` (bench/.vllm-venv, the same
 workload as bench/served.py) alternates between them: for each round and
 concurrency level one run against each, back to back, the first one
-alternating between rounds. An idle application takes next to no CPU. The
-headline is the median over the rounds of B's tok/s over A's, per level.
+alternating between rounds. The headline is the median over the rounds of
+B's tok/s over A's, per level.
+
+The application not being measured is frozen for the run (its replicas and
+workers, found by the ``DSPARK_BENCH_APP`` variable this script puts in each
+application's environment, are sent SIGSTOP, then SIGCONT; --no-freeze keeps
+them running). Idle, an application takes about 0.01 of a core, but a
+configuration whose workers run two OpenMP threads loses far more than that
+when those wakeups preempt one of its threads (bench/served.py measured
+vLLM's server 20-25% faster alone than beside an idle dspark_ray). The Ray
+cluster's own processes serve both and stay up, as they do in production.
 
 bench/served.py compares dspark_ray with vLLM's server the same way; this
 compares dspark_ray with itself. Used for ``draft_placement`` (README,
@@ -31,9 +40,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from served import (  # noqa: E402 - this folder's modules
-    DEFAULT_YAML, HOST, OUT_DIR, REPO, DsparkServed, SystemUnavailable, Workload, app_of, client_command,
-    get_json, lengths_text, load_yaml, run_client, vllm_cli,
+    DEFAULT_YAML, HOST, OUT_DIR, REPO, DsparkServed, SystemUnavailable, Workload, app_of, client_command, frozen,
+    get_json, lengths_text, load_yaml, processes_with_env, run_client, vllm_cli,
 )
+
+
+APP_MARK = "DSPARK_BENCH_APP"  # A or B, in the environment of each application's processes
 
 
 def two_apps(yaml_a: Path, yaml_b: Path, port: int, folder: Path) -> Path:
@@ -41,11 +53,16 @@ def two_apps(yaml_a: Path, yaml_b: Path, port: int, folder: Path) -> Path:
     config = load_yaml(yaml_a)
     a = config["applications"][0]
     b = load_yaml(yaml_b)["applications"][0]
-    for app, p in ((a, port), (b, port + 1)):
+    for app, p, mark in ((a, port, "A"), (b, port + 1, "B")):
         args = app.setdefault("args", {})
         if args.get("http_port") is None:
             raise SystemUnavailable(f"{app['name']}: set args.http_port (the replica's own HTTP server) to A/B it")
         args.update(http_host=HOST, http_port=p)
+        # Which application a process is of (its replicas through the runtime env, its workers through
+        # worker_env_vars), so that the idle one can be frozen.
+        args["worker_env_vars"] = {**(args.get("worker_env_vars") or {}), APP_MARK: mark}
+        env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env[APP_MARK] = mark
     b["name"], b["route_prefix"] = f"{a['name']}-b", "/b"
     config["applications"] = [a, b]
     path = folder / "ab.yaml"
@@ -74,6 +91,8 @@ def main() -> None:
     ap.add_argument("--name", default="served-ab", help="results go to bench/out/<name>/")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
+    ap.add_argument("--freeze", action=argparse.BooleanOptionalAction, default=True,
+                    help="stop the application not being measured for each run (SIGSTOP/SIGCONT; default: on)")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="each prompt's and output's length uniform within len * (1 -+ r) (vLLM's "
                          "--random-range-ratio; default 0)")
@@ -92,7 +111,11 @@ def main() -> None:
     def run(system: str, concurrency: int, tag: str) -> float:
         cmd = client_command(cli, urls[system], model, tokenizer, workload, concurrency,
                              workload.prompts(concurrency), out, f"{tag}.json")
-        return run_client(cmd, out / f"{tag}.json", out / f"{tag}.log")["output_throughput"]
+        other = processes_with_env(APP_MARK, "B" if system == "A" else "A") if args.freeze else set()
+        if args.freeze and not other:
+            print(f"   (no process of the application other than {system} found to freeze)", flush=True)
+        with frozen(other):
+            return run_client(cmd, out / f"{tag}.json", out / f"{tag}.log")["output_throughput"]
 
     combined = two_apps(args.yaml_a, args.yaml_b, args.port, out)
     results: dict[tuple[int, str], list[float]] = {}

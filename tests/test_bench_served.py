@@ -709,13 +709,36 @@ def test_served_ab_puts_both_configurations_in_one_serve_config(tmp_path):
     assert (a["name"], a["route_prefix"], a["args"]["http_port"]) == ("dspark", "/", 8200)
     assert (b["name"], b["route_prefix"], b["args"]["http_port"]) == ("dspark-b", "/b", 8201)
     assert (b["args"]["draft_placement"], b["args"]["torch_threads"]) == ("worker", 3)
-    assert {k: v for k, v in a["args"].items() if k not in ("http_host", "http_port")} == \
-        {k: v for k, v in shipped.items() if k not in ("http_host", "http_port")}  # deploy/dspark.yaml's
+    marks = ("http_host", "http_port", "worker_env_vars")
+    assert {k: v for k, v in a["args"].items() if k not in marks} == \
+        {k: v for k, v in shipped.items() if k not in marks}  # deploy/dspark.yaml's
+    # Each application's processes carry its mark (replicas: runtime env; workers: worker_env_vars), so that
+    # the one not measured can be frozen; the variables a YAML sets itself stay.
+    variant["applications"][0]["args"]["worker_env_vars"] = {"GOMP_SPINCOUNT": "1000"}
+    b_path.write_text(yaml.safe_dump(variant))
+    combined = yaml.safe_load(served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path).read_text())
+    a, b = combined["applications"]
+    assert a["args"]["worker_env_vars"] == {served_ab.APP_MARK: "A"}
+    assert b["args"]["worker_env_vars"] == {"GOMP_SPINCOUNT": "1000", served_ab.APP_MARK: "B"}
+    assert [app["runtime_env"]["env_vars"][served_ab.APP_MARK] for app in (a, b)] == ["A", "B"]
     assert combined["proxy_location"] == "Disabled"
     variant["applications"][0]["args"]["http_port"] = None
     b_path.write_text(yaml.safe_dump(variant))
     with pytest.raises(bench.SystemUnavailable, match="http_port"):
         served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path)
+
+
+def test_processes_with_env_finds_an_application_s_processes_by_its_mark():
+    marked = subprocess.Popen(["sleep", "30"], env={**os.environ, "DSPARK_BENCH_APP": "B"})
+    other = subprocess.Popen(["sleep", "30"], env={**os.environ, "DSPARK_BENCH_APP": "A"})
+    try:
+        assert marked.pid in bench.processes_with_env("DSPARK_BENCH_APP", "B")
+        assert other.pid not in bench.processes_with_env("DSPARK_BENCH_APP", "B")
+        assert os.getpid() not in bench.processes_with_env("DSPARK_BENCH_APP", "B")
+    finally:
+        for proc in (marked, other):
+            proc.kill()
+            proc.wait()
 
 
 def _continued(pid: int) -> str | None:
