@@ -447,20 +447,23 @@ class ProcessTicks:
     ticks: int  # clock ticks, os.sysconf("SC_CLK_TCK") a second
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat from its field 3 (state) on; None if the process is gone."""
+    try:
+        stat = Path("/proc", str(pid), "stat").read_text()
+    except OSError:  # it ended meanwhile
+        return None
+    # "pid (comm) state ppid ... utime stime ...": comm may hold spaces and parentheses, so split after
+    # the last ")"; fields[0] is then field 3 (state) of proc(5), ppid field 4, utime 14, stime 15.
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def process_table() -> dict[int, ProcessTicks]:
     """Every process on the machine by pid (one that ends while the table is read is left out)."""
     table = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        # "pid (comm) state ppid ... utime stime ...": comm may hold spaces and parentheses, so split after
-        # the last ")"; fields[0] is then field 3 (state) of proc(5), ppid field 4, utime 14, stime 15.
-        fields = stat[stat.rindex(")") + 2:].split()
-        table[int(entry.name)] = ProcessTicks(ppid=int(fields[1]), ticks=int(fields[11]) + int(fields[12]))
+        if entry.name.isdigit() and (fields := stat_fields(entry.name)) is not None:
+            table[int(entry.name)] = ProcessTicks(ppid=int(fields[1]), ticks=int(fields[11]) + int(fields[12]))
     return table
 
 
@@ -998,11 +1001,8 @@ def processes_with_env(name: str, value: str) -> set[int]:
 
 def process_state(pid: int) -> str | None:
     """The state letter of /proc/<pid>/stat (R running, S sleeping, T stopped, ...); None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return None if fields is None else fields[0]
 
 
 def server_trees(servers: dict[str, Server], table: dict[int, ProcessTicks]) -> dict[str, set[int]]:

@@ -132,7 +132,11 @@ class ReplicaHTTP:
         self.host, self.port = host, port
         self._sock = shared_socket(host, port, app_name)
         self.port = self._sock.getsockname()[1]  # the port asked for, or the one given for 0
-        self.board = LoadBoard(self.port) if balance else None
+        try:
+            self.board = LoadBoard(self.port) if balance else None
+        except OSError:
+            self._sock.close()
+            raise
         asgi = balanced(app, self.board, GENERATION_ROUTES) if self.board is not None else app
         asgi = metrics.wrap(asgi) if metrics is not None else asgi
         self._server = uvicorn.Server(uvicorn.Config(
