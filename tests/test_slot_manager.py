@@ -229,6 +229,10 @@ def test_releases_not_waited_for_reach_the_manager_before_the_next_call(cluster,
     assert {h.lease.req_id for h in snap.live} == {"r29", "keep"}
     assert snap.counters.releases == 29 and snap.counters.stale_releases == 0
     ray.kill(manager, no_restart=True)
+    # ray.kill is sent, not waited for: a call made right after it can still reach the live actor
+    # (so the release succeeds and nothing is logged: the CI failure of stop 40). Wait for death.
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(manager.snapshot.remote(), timeout=60)
     with caplog.at_level("WARNING", logger="dspark_ray.serve.actors"):
         slots.release_many_nowait([("keep", held["keep"].epoch)])
         deadline = time.monotonic() + 30
