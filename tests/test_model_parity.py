@@ -174,14 +174,19 @@ def test_fused_projections_change_nothing_but_the_matmul_count(make_checkpoint, 
 
 @pytest.mark.parametrize("case", ["llama-gqa2", "llama-bias", "qwen3-bias-head-dim"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, dtype):
+def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, dtype, monkeypatch):
     """On CPU ``load`` runs every linear (fused projections, o/down projections, the LM head) on a
     oneDNN-prepacked copy of its weight (dspark_ray/model/cpu_gemm.py): the same logits as torch's
     matmul up to rounding, the same state dict, and a weight changed afterwards is used again
     only once it is packed again. A single row (one token) of float32 weights runs torch's matmul
     on the unpacked weight: bit for bit the plain model's logits; bfloat16 weights take the packed
-    kernel for a single row too (faster there), so only up to rounding."""
+    kernel for a single row too (faster there), so only up to rounding. (The small float32 calls
+    that also stay unpacked are turned off here, so that every call of several rows is packed;
+    the next test covers them.)"""
+    from dspark_ray.model import cpu_gemm
     from dspark_ray.model.cpu_gemm import available, pack_weights
+
+    monkeypatch.setattr(cpu_gemm, "UNPACKED_MAX_MACS", 0)
 
     if not available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"oneDNN's prepacked linear cannot run {dtype} on this CPU or torch build")
@@ -208,6 +213,34 @@ def test_prepacked_cpu_matmuls_change_only_the_last_bits(make_checkpoint, case, 
         assert (packed(ids) - plain(ids)).abs().max() > tol  # the packed copy is stale ...
         pack_weights(packed)
         torch.testing.assert_close(packed(ids), plain(ids), rtol=0, atol=tol)  # ... until packed again
+
+
+def test_small_float32_matmuls_stay_unpacked_and_larger_ones_run_packed():
+    """A float32 call of at most UNPACKED_MAX_MACS multiply-adds (or of one row) runs torch's matmul on
+    the live weight, bit for bit ``F.linear``; a larger one runs oneDNN's packed copy. Which kernel ran
+    shows in what a call sees after the weight changes in place: the live weight, or the stale copy.
+    bfloat16 always runs packed."""
+    import torch.nn.functional as F
+
+    from dspark_ray.model.cpu_gemm import UNPACKED_MAX_MACS, PackedGemm, available
+
+    if not available(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN's prepacked linear cannot run float32 on this CPU or torch build")
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((512, 256), (256, 768), (4096, 256), (8192, 512)):
+        weight = torch.randn(out_features, in_features, generator=gen)
+        gemm = PackedGemm(weight)
+        most = max(1, UNPACKED_MAX_MACS // weight.numel())
+        assert gemm.unpacked_max_rows == most
+        small, large = torch.randn(most, in_features, generator=gen), torch.randn(most + 1, in_features, generator=gen)
+        assert torch.equal(gemm(small), F.linear(small, weight))
+        torch.testing.assert_close(gemm(large), F.linear(large, weight), rtol=0, atol=1e-4)
+        before = gemm(large)
+        weight.mul_(2)  # the parameter changes; the packed copy does not
+        assert torch.equal(gemm(small), F.linear(small, weight))  # unpacked: sees the change
+        assert torch.equal(gemm(large), before)  # packed: the stale copy
+    if available(torch.device("cpu"), torch.bfloat16):
+        assert PackedGemm(torch.randn(256, 256, dtype=torch.bfloat16)).unpacked_max_rows == 0
 
 
 def test_prepacking_is_a_cpu_only_choice():

@@ -17,20 +17,29 @@ linear). It is a copy: a weight changed after packing is not seen by the
 packed matmul (``pack_weights`` again). Results differ from MKL's in the last
 bits (about 1e-6 relative in float32), as two BLAS libraries do.
 
-NOTE: one row at a time (the draft's passes at batch 1) of a float32 weight
-keeps torch's own matmul on the unpacked weight. There oneDNN's blocked kernel
-is no help and, on an AVX2-only CPU, slower: measured on such a box (AMD EPYC,
-1 thread, best of 5), the shipped draft's five weight shapes cost 645 us packed
-against 340-386 us through ``F.linear`` at one row, while from four rows up
-the packed kernel wins (946 against 1524 us at four, 1414 against 2029 at
-eight). On the AVX512-BF16 box the two were level at one row in float32. A
-bfloat16 weight (packed only where the CPU multiplies bfloat16 natively:
-``available``) always takes the packed kernel: there torch's matmul at one
-row is the slower one (AVX512-BF16 EPYC, 1 thread, best of 3, the draft's
-q/k/v, o, gate/up, down and LM head shapes: 27/22/51/34/113 us unpacked
-against 18/16/40/29/73 packed), and the shipped pair's bfloat16 draft
-proposed 4 tokens at batch 1 in 10.6 ms instead of 14.0 (in process, 1
-thread, the median over 4 interleaved rounds of 64 greedy tokens).
+NOTE: a small float32 matmul (one row of any weight, or at most
+``UNPACKED_MAX_MACS`` multiply-adds in all) keeps torch's own matmul on the
+unpacked weight. There oneDNN's blocked kernel is no help: its per-call cost
+(~15-20 us on the AVX512-BF16 Xeon, 1 thread) is more than the arithmetic.
+Measured on that box (1 thread, best of 5, us, ``F.linear`` against packed)
+for the shipped pair's float32 shapes: q/k/v [512, 256] 19.4 / 42.0 at 5
+rows, 32.2 / 35.2 at 10, level at 20; o [256, 256] 13.0 / 24.1 at 5; gate/up
+[1536, 256] 46.9 / 52.8 at 5 and 90.8 / 73.8 at 10; down [256, 768] 18.2 /
+29.3 at 5 and 77.8 / 64.6 at 20; the LM head [4096, 256] 143 / 174 at 2 rows
+and 288 / 184 at 5: the unpacked kernel wins up to about 2M multiply-adds and
+loses beyond. In process (the shipped pair, k = 4, 1 thread, median of 3
+interleaved rounds) a step at batch 1 went from 11.75 to 11.20 ms with the
+bfloat16 draft, and with a float32 draft from 11.23 to 10.49 ms at batch 1,
+15.27 to 14.89 at 4, 19.63 to 19.08 at 8. Earlier, on an AVX2-only CPU (AMD
+EPYC, 1 thread, best of 5), the shipped draft's five weight shapes cost 645 us
+packed against 340-386 us through ``F.linear`` at one row, and from four rows
+up the packed kernel won in all (946 against 1524 us at four); the threshold
+was not measured per shape there. A bfloat16 weight (packed only
+where the CPU multiplies bfloat16 natively: ``available``) always takes the
+packed kernel: there torch's matmul at one row is the slower one (AVX512-BF16
+EPYC, 1 thread, best of 3, the draft's q/k/v, o, gate/up, down and LM head
+shapes: 27/22/51/34/113 us unpacked against 18/16/40/29/73 packed). On big
+models every shape is far over the threshold beyond a row, so they run packed.
 """
 
 from __future__ import annotations
@@ -41,9 +50,9 @@ from torch import nn
 
 # oneDNN picks the packed layout for this many rows; it is correct for any number.
 BATCH_HINT = 32
-# Calls with at most this many rows of a float32 weight use torch's matmul on the unpacked weight
-# (module docstring); bfloat16 weights always run packed.
-UNPACKED_MAX_ROWS = 1
+# A float32 call of one row, or of at most this many multiply-adds (rows x in x out), uses torch's
+# matmul on the unpacked weight (module docstring); bfloat16 weights always run packed.
+UNPACKED_MAX_MACS = 2**21
 PACKABLE = (torch.float32, torch.bfloat16)
 
 
@@ -64,9 +73,10 @@ class PackedGemm:
     def __init__(self, weight: torch.Tensor) -> None:
         assert weight.dim() == 2 and weight.device.type == "cpu", weight.shape
         self.out_features = weight.shape[0]
-        self.weight = weight.detach()  # the parameter itself (no copy), for single rows
+        self.weight = weight.detach()  # the parameter itself (no copy), for small calls
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), BATCH_HINT)
-        self.unpacked_max_rows = UNPACKED_MAX_ROWS if weight.dtype == torch.float32 else 0
+        # The most rows a call may have and still run unpacked (0: never).
+        self.unpacked_max_rows = max(1, UNPACKED_MAX_MACS // weight.numel()) if weight.dtype == torch.float32 else 0
 
     def __call__(
         self,
