@@ -247,6 +247,56 @@ def test_a_request_that_fixed_k_keeps_it(tiny_models: TinyModels):
     assert got.spec.drafts >= 6 and 2 * got.spec.drafts - 1 <= got.spec.draft_tokens <= 2 * got.spec.drafts
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_above_speculation_max_batch_only_requests_that_fixed_their_k_speculate(tiny_models: TinyModels, adaptive):
+    """A step of more requests than ``speculation_max_batch`` verifies no drafts for the requests that
+    adapt to the batch; greedy output is still the target's, a seeded sampled request and one that
+    fixed its k keep their own k (the seeded one's tokens are those it gives alone), and once the batch
+    is small again the others speculate again."""
+    near, n = tiny_models.drafts["near"], 40
+    cfg = dict(num_speculative_tokens=3, draft_window=8, capacity=8, max_context=96, adaptive_speculation=adaptive)
+    engine = make_engine(tiny_models.target, near, speculation_max_batch=3, **cfg)
+    if adaptive:
+        engine.spec_controller = ScriptedK(3, [3])  # below the cap, always 3
+    seeded = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, seed=3)
+    fixed = SamplingParams(max_tokens=n, ignore_eos=True, num_speculative_tokens=2)
+    greedy = SamplingParams(max_tokens=n, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)  # three short requests leave the batch early
+    params = [greedy, seeded, fixed, short, short, short]
+    seen = []  # per step: (requests in the engine, drafts per request id)
+    inner = engine.target.step
+    engine.target.step = lambda batch: seen.append(
+        (len(engine.scheduler.running), {r.slot: len(r.draft_token_ids) for r in batch.rows})) or inner(batch)
+    got = generate(engine, PROMPTS, params)
+    for i in (0, 2, 3, 4, 5):
+        assert got[i].token_ids == hf_greedy(tiny_models.hf_target, PROMPTS[i], params[i].max_tokens)
+    alone = solo(tiny_models.target, near, PROMPTS[1], seeded, **cfg)
+    assert got[1].token_ids == alone.token_ids and got[1].spec == alone.spec
+    big = [drafts for running, drafts in seen if running > 3]
+    small = [drafts for running, drafts in seen if 0 < running <= 3]
+    assert big and small
+    # Above the cap only the seeded and the fixed request draft: at most two rows with drafts a step.
+    assert all(sum(1 for d in drafts.values() if d) <= 2 for drafts in big)
+    assert any(sum(1 for d in drafts.values() if d) == 2 for drafts in big)
+    assert got[0].spec.draft_tokens > 0  # the greedy request speculated once the batch was small
+    assert got[2].spec.drafts >= 6 and got[2].spec.draft_tokens >= 2 * got[2].spec.drafts - 1  # k fixed at 2
+    assert_drained(engine, len(PROMPTS))
+
+
+def test_speculation_max_batch_is_checked_and_reaches_the_engine(shipped_target, shipped_draft):
+    from dspark_ray.engine import EngineConfig
+    from dspark_ray.engine.config import ConfigError
+    from dspark_ray.serve.config import AppConfig
+
+    with pytest.raises(ConfigError, match="speculation_max_batch"):
+        EngineConfig(model="m", speculation_max_batch=0)
+    args = dict(model=str(shipped_target), draft=str(shipped_draft), http_port=None)
+    assert AppConfig(**args).engine_config().speculation_max_batch is None
+    assert AppConfig(**args, speculation_max_batch=8).engine_config().speculation_max_batch == 8
+    with pytest.raises(ValueError, match="speculation_max_batch"):
+        AppConfig(**args, speculation_max_batch=0)
+
+
 def test_unseeded_sampling_with_switching_k_follows_the_target_distribution(tiny_vocab_models: TinyVocabModels):
     m = tiny_vocab_models
     expected = exact_distribution(m.target, m.vocab, 1.0, 0, 1.0)

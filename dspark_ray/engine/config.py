@@ -16,6 +16,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
     # Choose each step's k from acceptance and measured costs (engine/adaptive.py); False: always k.
     adaptive_speculation: bool = True
+    # A step of more requests than this (running and waiting, up to max_num_seqs) verifies no drafts
+    # for the requests that adapt to the batch (greedy and unseeded sampled ones): on a box where the
+    # step is compute-bound, speculation at a large batch costs more than it brings. None: no limit.
+    # (vLLM's speculative_disable_by_batch_size is the same idea.)
+    speculation_max_batch: int | None = None
     # With adaptive speculation and a DSpark draft that has a confidence head: each row verifies its
     # block only as far as the head expects it to be accepted (adaptive.confident_drafts).
     confidence_verification: bool = True
@@ -49,6 +54,8 @@ class EngineConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
+        if self.speculation_max_batch is not None and self.speculation_max_batch < 1:
+            raise ConfigError(f"speculation_max_batch must be at least 1 (or None), got {self.speculation_max_batch}")
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
             raise ConfigError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
         if self.draft_window < 1:

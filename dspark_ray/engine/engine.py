@@ -250,10 +250,11 @@ class Engine:
                       deadline=deadline)
         if deadline is not None:
             self._deadlines += 1
+        # A k the request fixed itself is kept; a seeded sampled request adapts to its own acceptance
+        # only, so its tokens do not depend on what else runs (adaptive.py): neither takes the step's
+        # k (adaptive speculation's, or 0 above speculation_max_batch).
+        req.batch_adapted = bool(k) and params.num_speculative_tokens is None and (params.greedy or params.seed is None)
         if self.spec_controller is not None and k and params.num_speculative_tokens is None:
-            # A k the request fixed itself is kept; a seeded sampled request adapts to its own
-            # acceptance only, so its tokens do not depend on what else runs (adaptive.py).
-            req.batch_adapted = params.greedy or params.seed is None
             # A seeded sampled request starts from the fixed prior: nothing of other requests
             # may decide its k (its tokens depend on it).
             req.acceptance = Acceptance(k, self.population.rates()[:k] if req.batch_adapted else None)
@@ -434,11 +435,17 @@ class Engine:
     # -- adaptive speculation (engine/adaptive.py) ------------------------------
 
     def _choose_k(self) -> None:
-        """The coming step's k, for the requests that adapt to the batch."""
-        if self.spec_controller is None:
-            return
+        """The coming step's k, for the requests that adapt to the batch: 0 above
+        ``speculation_max_batch``, else adaptive speculation's choice (None: each its own k)."""
         s = self.scheduler
         batch = min(len(s.running) + len(s.waiting), self.config.max_num_seqs)
+        cap = self.config.speculation_max_batch
+        if cap is not None and batch > cap:
+            s.step_k = 0
+            return
+        if self.spec_controller is None:
+            s.step_k = None
+            return
         expected = [0.0] * (self.max_spec_tokens + 1)
         for r in s.running:
             a = r.acceptance

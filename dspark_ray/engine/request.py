@@ -104,8 +104,9 @@ class Request:
     draft_len: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     # Adaptive speculation (engine/adaptive.py): this request's acceptance estimate (None: its k is
-    # fixed), and whether the step's k applies to it too (False: its k follows its own history only,
-    # so a seeded sampled request gives the same tokens whatever else runs).
+    # fixed), and whether the step's k (adaptive speculation's, or 0 above speculation_max_batch)
+    # applies to it (False: a k it fixed itself, or a seeded sampled request, whose k follows its own
+    # history only, so that it gives the same tokens whatever else runs).
     acceptance: Acceptance | None = None
     batch_adapted: bool = True
     cached_tokens: int = 0  # prompt tokens the target's prefix cache gave (not computed)

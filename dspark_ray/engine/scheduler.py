@@ -127,10 +127,10 @@ class Scheduler:
             return 0
         room = min(req.remaining_tokens() - 1, self.config.max_context - req.num_tokens - 1)
         k = req.num_spec_tokens
-        if req.acceptance is not None:  # adaptive: its own cap, and the step's k unless it opted out
+        if req.acceptance is not None:  # adaptive: its own cap
             k = min(k, req.acceptance.cap)
-            if req.batch_adapted and self.step_k is not None:
-                k = min(k, self.step_k)
+        if req.batch_adapted and self.step_k is not None:  # the step's k (Engine._choose_k) unless it opted out
+            k = min(k, self.step_k)
         return max(0, min(k, room))
 
     def need(self, req: Request) -> int:

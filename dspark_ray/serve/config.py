@@ -51,6 +51,13 @@ class AppConfig(BaseModel):
         "acceptance and the measured cost of drafting and verifying at this batch size, for the most tokens "
         "per second; false always drafts num_speculative_tokens. A request's own num_speculative_tokens wins.",
     )
+    speculation_max_batch: int | None = Field(
+        None, ge=1, description="A step of more requests than this (per replica: running and waiting, up to "
+        "max_num_seqs) verifies no drafts for the requests that adapt to the batch (greedy and unseeded sampled "
+        "ones; a request that fixed its num_speculative_tokens, or a seeded sampled one, keeps its k, so its "
+        "tokens do not depend on what else runs). Where a step is compute-bound a large batch gains less from "
+        "speculation than it costs (README, Performance). null: no limit. Output is unchanged.",
+    )
     confidence_verification: bool = Field(
         True, description="With adaptive_speculation and a DSpark draft that ships a confidence head: each request "
         "verifies its block only as far as the head expects it accepted (P(all accepted so far) >= 0.2).",
@@ -400,6 +407,7 @@ class AppConfig(BaseModel):
             draft=self.draft,
             num_speculative_tokens=self.num_speculative_tokens,
             adaptive_speculation=self.adaptive_speculation,
+            speculation_max_batch=self.speculation_max_batch,
             confidence_verification=self.confidence_verification,
             draft_window=self.draft_window,
             capacity=self.slots_per_replica,
