@@ -263,7 +263,7 @@ def test_above_speculation_max_batch_only_requests_that_fixed_their_k_speculate(
     greedy = SamplingParams(max_tokens=n, ignore_eos=True)
     short = SamplingParams(max_tokens=8, ignore_eos=True)  # three short requests leave the batch early
     params = [greedy, seeded, fixed, short, short, short]
-    seen = []  # per step: (requests in the engine, drafts per request id)
+    seen = []  # per step: (requests running, drafts per slot)
     inner = engine.target.step
     engine.target.step = lambda batch: seen.append(
         (len(engine.scheduler.running), {r.slot: len(r.draft_token_ids) for r in batch.rows})) or inner(batch)
