@@ -59,7 +59,9 @@ def test_padded_target_steps_change_no_output_and_no_live_kv(shipped_target, shi
         for name, engine in (("plain", plain), ("padded", padded)):
             for out in engine.step():
                 outputs[name].setdefault(out.req_id, []).extend(out.new_token_ids)
-        # Every live request's KV (through its table row) is what the unpadded target holds.
+        # Every live request's KV (through its table row) is what the unpadded target holds, up to the
+        # last bits: a padded step has more rows, and a float32 matmul of more rows may take oneDNN's
+        # packed kernel where the unpadded one took torch's (model/cpu_gemm.py; ~1e-6 relative apart).
         a, b = plain.target, padded.target
         assert torch.equal(a.table.lengths, b.table.lengths), f"step {step}"
         for slot in range(1, a.table.lengths.shape[0]):
@@ -67,8 +69,8 @@ def test_padded_target_steps_change_no_output_and_no_live_kv(shipped_target, shi
             index = a.table.table[slot, :length].long()
             assert torch.equal(index, b.table.table[slot, :length].long())
             for layer in range(len(a.k_pools)):
-                torch.testing.assert_close(b.k_pools[layer][index], a.k_pools[layer][index], rtol=0, atol=1e-5)
-                torch.testing.assert_close(b.v_pools[layer][index], a.v_pools[layer][index], rtol=0, atol=1e-5)
+                torch.testing.assert_close(b.k_pools[layer][index], a.k_pools[layer][index], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(b.v_pools[layer][index], a.v_pools[layer][index], rtol=1e-5, atol=1e-5)
     assert not plain.has_unfinished() and not padded.has_unfinished()
     assert n == 14 and outputs["padded"] == outputs["plain"]
     assert padded.target.padded_steps > 20 and plain.target.padded_steps == 0

@@ -88,6 +88,10 @@ class WindowPlan:
 
     def __init__(self, live: torch.Tensor, mask: torch.Tensor, any_visible: torch.Tensor) -> None:
         self.live, self.mask, self.any_visible = live, mask, any_visible
+        # Whether the masking below changes anything (asked once a pass, not per layer): once a slot has
+        # written its whole ring every entry is live, and only padding queries see no key.
+        self.all_live = bool(live.all())
+        self.all_visible = bool(any_visible.all())
 
     @classmethod
     def of(cls, slots: torch.Tensor, positions: torch.Tensor, cache_lengths: torch.Tensor, ring: int,
@@ -112,11 +116,14 @@ class WindowPlan:
 def window_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                              plan: WindowPlan, scale: float) -> torch.Tensor:
     """``window_attention`` with the visibility computed already (``WindowPlan``)."""
-    k = torch.where(plan.live, k_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
-    v = torch.where(plan.live, v_cache[slots].transpose(1, 2).float(), 0.0)  # [B, kvh, ring, D]
+    k = k_cache[slots].transpose(1, 2).float()  # [B, kvh, ring, D]
+    v = v_cache[slots].transpose(1, 2).float()
+    if not plan.all_live:  # entries not written in the slot's epoch may hold anything, NaN included
+        k, v = torch.where(plan.live, k, 0.0), torch.where(plan.live, v, 0.0)
     out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=plan.mask, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[2])  # [B, H, T, D]
-    out = torch.where(plan.any_visible[:, :, None, None], out.transpose(1, 2), 0.0)
+                                         enable_gqa=k.shape[1] != q.shape[2]).transpose(1, 2)  # [B, T, H, D]
+    if not plan.all_visible:
+        out = torch.where(plan.any_visible[:, :, None, None], out, 0.0)
     return out.to(q.dtype)
 
 
