@@ -41,6 +41,18 @@ fi
 echo "[setup] installing dspark_ray$extras (editable)"
 pip_install -e ".$extras"
 
+# deploy/dspark.yaml compiles its models (compile_model): torch.compile on CPU builds C++ with g++
+# against this Python's headers. Without them the models run eager, slower, with a warning.
+if ! .venv/bin/python -c "from dspark_ray.model.compiled import missing_toolchain as m; raise SystemExit(m() is not None)" 2>/dev/null; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing g++ and the Python headers (Debian packages) for compile_model"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ python3-dev >/dev/null
+  else
+    echo "[setup] $(.venv/bin/python -c 'from dspark_ray.model.compiled import missing_toolchain as m; print(m())'):" \
+      "compile_model will run the models eager; install g++ and python3-dev for the compiled forward" >&2
+  fi
+fi
+
 if [ "$with_test" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
   # The observability tests scrape Ray's metrics with the real Prometheus server.
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -27,17 +27,19 @@ def test_local_configs_validate_with_the_shipped_pair(name, tp):
 
 def test_local_configs_differ_only_in_tensor_parallelism_replicas_and_binding():
     """The TP=2 demo runs two shards of one replica on the one machine, one thread each, unbound, the
-    draft in a worker of its own. The default is two replicas, each one process with the draft inside
-    it, on one torch thread bound to a core of its own (bind_cores), no OpenMP settings."""
+    draft in a worker of its own, eager (compile_model is tensor parallel 1 only). The default is two
+    replicas, each one process with the draft inside it, on one torch thread bound to a core of its
+    own (bind_cores), no OpenMP settings, its models compiled."""
     one, two = app_args("dspark.yaml"), app_args("dspark-tp2.yaml")
     assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", "num_replicas", "bind_cores",
-                                                       "draft_placement"}
-    assert set(one) - set(two) == {"draft_placement", "bind_cores"}
+                                                       "draft_placement", "compile_model"}
+    assert set(one) - set(two) == {"draft_placement", "bind_cores", "compile_model"}
     assert set(two) <= set(one)
     default, demo = AppConfig(**one), AppConfig(**two)
     assert default.num_replicas == 2 and default.torch_threads == 1 and default.bind_cores
     assert default.draft_placement == "target" and default.worker_env_vars == {}
     assert default.single_thread_max_rows == 0  # one thread: nothing to choose
+    assert default.engine_config().compile_model and not demo.engine_config().compile_model
     assert demo.torch_threads == 1 and not demo.bind_cores and demo.worker_env_vars == {}
     assert demo.draft_placement == "worker" and demo.num_replicas == 1
 

@@ -52,8 +52,14 @@ class EngineConfig:
     # CUDA: the independent draft's one-token drafting passes replayed as CUDA graphs at padded batch
     # sizes (engine/draft_proposer.py); no effect on CPU.
     cuda_graphs: bool = True
+    # CPU: the target's and the independent draft's forward passes compiled by torch.compile, their
+    # elementwise ops fused (dspark_ray/model/compiled.py); graphs are built at load time. Tensor
+    # parallel 1 only.
+    compile_model: bool = False
 
     def __post_init__(self) -> None:
+        if self.compile_model and self.device != "cpu":
+            raise ConfigError(f"compile_model is for device cpu (CUDA runs CUDA graphs), got device {self.device!r}")
         if self.speculation_max_batch is not None and self.speculation_max_batch < 1:
             raise ConfigError(f"speculation_max_batch must be at least 1 (or None), got {self.speculation_max_batch}")
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:

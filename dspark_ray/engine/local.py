@@ -24,6 +24,7 @@ from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
 from dspark_ray.model import ModelConfig, load
+from dspark_ray.model.compiled import compile_model, warm_up
 from dspark_ray.model.dspark import DSparkConfig, TargetHeads, check_fits, is_dspark_checkpoint, load_dspark
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.model.rope import check_max_context
@@ -31,6 +32,12 @@ from dspark_ray.model.mla import refuse_as_draft
 from dspark_ray.model.tp import TensorParallel
 from dspark_ray.slots import SlotRegistry
 from dspark_ray.tokenizer import Tokenizer, check_compatible
+
+# The [rows, tokens] shapes compiled at load with compile_model: one per specialisation (a dimension of
+# 1, or more). The target runs its step packed as one sequence of every row's tokens, [1, N]; the
+# draft one pass per draft token, [rows, 1], and a catch-up pass over the accepted tokens, [rows, n].
+TARGET_SHAPES = [(1, 1), (1, 8)]
+DRAFT_SHAPES = [(1, 1), (1, 8), (4, 1), (4, 8)]
 
 
 def runtime_dtype(dtype: str, device: str) -> str:
@@ -106,6 +113,10 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
     kv_tokens = config.kv_tokens if plan is None else cuda_pool_tokens(config, plan, tp)
     taps = DSparkConfig.from_path(config.draft).target_layer_ids if uses_dspark(config) else None
     prefix_block = PREFIX_BLOCK if config.enable_prefix_caching and taps is None else None
+    if config.compile_model and taps is None:
+        # A target with taps (a DSpark draft) runs eager: its passes want the tapped layers.
+        compile_model(model)
+        warm_up(model, TARGET_SHAPES)
     return TargetRunner(model, config.capacity, config.max_context, kv_tokens + 1, config.spec_tokens,
                         vocab_limit, prefix_block, taps)
 
@@ -121,6 +132,9 @@ def make_draft_proposer(config: EngineConfig, vocab_limit: int | None,
         return DSparkProposer(model, config.capacity, config.max_context, config.spec_tokens, vocab_limit)
     refuse_as_draft(ModelConfig.from_path(config.draft))  # before any weight is read
     model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device)
+    if config.compile_model:
+        compile_model(model)
+        warm_up(model, DRAFT_SHAPES)
     # Structured-output rows mask their drafts with the grammar too (compiled on first use).
     grammars = SlotGrammars(lambda: GrammarCompiler.of(Tokenizer.from_path(config.model)))
     return DraftProposer(model, config.capacity, config.draft_window, config.spec_tokens, vocab_limit, grammars,

@@ -263,6 +263,7 @@ class CausalLM(nn.Module):
     """Token ids in, next-token logits out; ``state_dict()`` uses HF names."""
 
     lm_gemm = None  # PackedGemm of lm_weight | None (dspark_ray.model.cpu_gemm)
+    compiled = None  # CompiledForward | None: hidden_states compiled (dspark_ray.model.compiled)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -293,7 +294,20 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [B, T, hidden], after the final norm
         """``taps``: layer ids (-1: the embedding output) whose residual stream output is also wanted;
         each entry is set to that layer's ``[B, T, hidden]`` output (a DSpark draft's context,
-        ``dspark_ray.model.dspark.tap_hidden_states``)."""
+        ``dspark_ray.model.dspark.tap_hidden_states``). Runs the compiled forward when the model has
+        one (``compile_model``) and the call gives positions and attention and wants no taps."""
+        if self.compiled is not None and taps is None and positions is not None and attention is not None:
+            return self.compiled(input_ids, positions, attention)
+        return self.eager_hidden_states(input_ids, positions, attention, taps)
+
+    def eager_hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention: Attention | None = None,
+        taps: dict[int, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """``hidden_states`` op by op (what ``compile_model`` compiles)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if attention is None:

@@ -123,6 +123,13 @@ class AppConfig(BaseModel):
         "(README, Performance).",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
+    compile_model: bool = Field(
+        False, description="cpu, tensor_parallel_size 1: the target's and the independent draft's forward passes "
+        "compiled by torch.compile (Inductor), each run of elementwise ops between two matmuls fused into one "
+        "loop; the matmuls and attention stay the eager kernels. Compiled at load (tens of seconds the first "
+        "time, seconds once Inductor's disk cache has them). Needs a C++ compiler (g++) on the machine "
+        "(dspark_ray/model/compiled.py; README, Performance).",
+    )
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads in each shard and the proposer.")
     single_thread_max_rows: int = Field(
@@ -347,6 +354,12 @@ class AppConfig(BaseModel):
                              "threads: OpenMP would bind by the variables and workers could share cores; drop one")
         if self.device == "cuda" and self.cpus_per_shard > 4:
             raise ValueError("cpus_per_shard above 4 on cuda wastes CPUs; the GPU does the work")
+        if self.compile_model and self.device != "cpu":
+            raise ValueError("compile_model is for device cpu (on cuda the draft's passes run as CUDA graphs, "
+                             "cuda_graphs); set compile_model: false")
+        if self.compile_model and self.tensor_parallel_size > 1:
+            raise ValueError(f"compile_model runs tensor_parallel_size 1 only (got {self.tensor_parallel_size}): "
+                             "the shards' all-reduces are not compiled; set compile_model: false")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_context + self.num_speculative_tokens:
             raise ValueError(
                 f"kv_pool_tokens must be at least max_context + num_speculative_tokens "
@@ -423,4 +436,5 @@ class AppConfig(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             memory_utilization=self.memory_utilization,
             cuda_graphs=self.cuda_graphs,
+            compile_model=self.compile_model,
         )
