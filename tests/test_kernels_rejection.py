@@ -279,3 +279,19 @@ def test_wrong_inputs_are_rejected_before_launch():
         ops.rejection_sample(*args[:4], None, *args[5:])
     with pytest.raises(ops.KernelInputError, match="vocab dim must be contiguous"):
         ops.rejection_sample(*args[:7], case.recovery_noise.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+def test_first_argmax_is_argmax_with_ties_nan_and_masked_entries():
+    """The greedy rule's argmax (first_argmax, through max's indices): the first largest entry of each
+    row, as torch's argmax, whatever ties, NaN or -inf masks the row holds."""
+    from dspark_kernels.reference import first_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        x = torch.randint(0, 4, (6, 3, 97), generator=gen).float()  # many ties
+        x[1, 2] = float("-inf")  # a whole row masked
+        x[2, :, ::2] = float("-inf")
+        if trial % 5 == 0:
+            x[0, 1, 40] = float("nan")
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+        assert torch.equal(first_argmax(x[:, 0]), x[:, 0].argmax(dim=-1))

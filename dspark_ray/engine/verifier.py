@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark_kernels import ops
+from dspark_kernels.reference import first_argmax
 from dspark_ray.engine.interfaces import SamplingRow
 from dspark_ray.engine.randomness import DRAFT_STREAM, VERIFY_STREAM, derive_seed, uniform
 
@@ -53,7 +54,7 @@ def sample_draft_tokens(
     and position alone (randomness.uniform), so a row draws the same token whatever batch it is in.
     (One vectorised search for all rows: a torch.multinomial per row with a generator seeded for it
     had cost about as much as the draft's forward pass at 32 sampled rows.)"""
-    tokens = logits.argmax(dim=-1)
+    tokens = first_argmax(logits)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if not sampled:
         return tokens, None
