@@ -15,8 +15,8 @@ its wrapper. What it must not touch is left opaque, as two custom ops:
 - ``dspark::attention``: the attention callable of the current pass (the
   target's paged ``PackedAttention``, the draft's window-cache
   ``RingAttention``), which reads and writes the engine's caches in Python.
-  The pass's callable is handed over through ``active`` (thread-local), so one
-  compiled graph serves every step whatever its rows.
+  ``CompiledForward`` hands the pass's callable over through a thread-local,
+  so one compiled graph serves every step whatever its rows.
 
 Only the fused elementwise code differs from eager: a reduction's order (the
 RMSNorm's mean) and fused multiply-adds move logits by ~1e-5, so greedy
@@ -34,10 +34,11 @@ Inductor (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temp
 folder): a restart on the same machine loads it in seconds.
 
 Measured on the 2-core development box (1 thread, shipped pair, float32,
-mean of 200 calls; eager with the packed matmuls against compiled): the
-target's pass over 5 tokens 3.75 -> 2.86 ms, 20 tokens 6.24 -> 4.94 ms, 80
-tokens 12.7 -> 11.6 ms; the draft's pass at one token 0.90 -> 0.75 ms, four
-tokens 1.26 -> 1.03 ms.
+mean of 100 calls, eager with the packed matmuls against compiled): the
+target's pass over 5 tokens 3.07 -> 2.52 ms, 20 tokens 5.45 -> 4.43 ms; the
+draft's pass at one row 0.68 -> 0.58 ms, four rows of one token 0.80 -> 0.73
+ms. A small pass is now mostly its matmuls streaming float32 weights from
+the cache (bench/HISTORY.md, nineteenth session).
 
 Not for tensor parallelism (the all-reduces stay eager), mixture-of-experts
 or latent-attention layers, or CUDA (``compile_model`` refuses them).
