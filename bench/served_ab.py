@@ -59,8 +59,11 @@ def two_apps(yaml_a: Path, yaml_b: Path, port: int, folder: Path) -> Path:
             raise SystemUnavailable(f"{app['name']}: set args.http_port (the replica's own HTTP server) to A/B it")
         args.update(http_host=HOST, http_port=p)
         # Which application a process is of (its replicas through the runtime env, its workers through
-        # worker_env_vars), so that the idle one can be frozen.
-        args["worker_env_vars"] = {**(args.get("worker_env_vars") or {}), APP_MARK: mark}
+        # worker_env_vars), so that the idle one can be frozen. Each application also claims CPUs in a
+        # directory of its own (bind_cores, dspark_ray/serve/cores.py): only one runs at a time, and it
+        # should bind as it would alone, not find half the cores claimed by the frozen one.
+        args["worker_env_vars"] = {**(args.get("worker_env_vars") or {}), APP_MARK: mark,
+                                   "DSPARK_CORES_DIR": str(folder / f"cores-{mark}")}
         env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         env[APP_MARK] = mark
     b["name"], b["route_prefix"] = f"{a['name']}-b", "/b"

@@ -718,8 +718,10 @@ def test_served_ab_puts_both_configurations_in_one_serve_config(tmp_path):
     b_path.write_text(yaml.safe_dump(variant))
     combined = yaml.safe_load(served_ab.two_apps(REPO / "deploy" / "dspark.yaml", b_path, 8200, tmp_path).read_text())
     a, b = combined["applications"]
-    assert a["args"]["worker_env_vars"] == {served_ab.APP_MARK: "A"}
-    assert b["args"]["worker_env_vars"] == {"GOMP_SPINCOUNT": "1000", served_ab.APP_MARK: "B"}
+    # ... and claims CPUs (bind_cores) in a directory of its own, as it would alone on the machine.
+    assert a["args"]["worker_env_vars"] == {served_ab.APP_MARK: "A", "DSPARK_CORES_DIR": str(tmp_path / "cores-A")}
+    assert b["args"]["worker_env_vars"] == {"GOMP_SPINCOUNT": "1000", served_ab.APP_MARK: "B",
+                                            "DSPARK_CORES_DIR": str(tmp_path / "cores-B")}
     assert [app["runtime_env"]["env_vars"][served_ab.APP_MARK] for app in (a, b)] == ["A", "B"]
     assert combined["proxy_location"] == "Disabled"
     variant["applications"][0]["args"]["http_port"] = None
@@ -773,3 +775,41 @@ def test_frozen_stops_a_server_s_processes_for_the_run_and_continues_them_howeve
         for proc in (busy, sleeper):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _threads_cpus(pid: int) -> set[tuple[int, ...]]:
+    """The CPU sets the threads of process ``pid`` may run on (one entry per distinct set)."""
+    sets = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            sets.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return sets
+
+
+def _processes(prefix: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            if cmdline.startswith(prefix):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs for two replicas' cores")
+def test_the_shipped_yaml_binds_each_replica_to_its_worker_s_core(served: ServeRun):
+    """deploy/dspark.yaml's bind_cores and bind_replica, served for real: each worker's torch thread holds a
+    core of its own, and every thread of each replica's process runs on its worker's core."""
+    worker_cores = set()
+    for pid in _processes("ray::TargetShard"):
+        worker_cores |= {cpus for cpus in _threads_cpus(pid) if len(cpus) == 1}  # the bound torch thread
+    replicas = _processes("ray::ServeReplica:dspark:")
+    assert len(replicas) == 2 and len(worker_cores) == 2, (replicas, worker_cores)
+    replica_cores = [_threads_cpus(pid) for pid in replicas]
+    assert all(len(sets) == 1 for sets in replica_cores), replica_cores  # every thread, one binding
+    assert {next(iter(sets)) for sets in replica_cores} == worker_cores

@@ -149,3 +149,34 @@ def test_an_application_can_claim_in_a_directory_of_its_own(tmp_path, monkeypatc
     finally:
         proc.kill()
         proc.wait()
+
+
+BIND_PROCESS = r"""
+import os, threading, time, json
+from dspark_ray.serve.cores import bind_process
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+for t in threads:
+    t.start()
+cpu = max(os.sched_getaffinity(0))
+bound = bind_process((cpu,))
+later = threading.Thread(target=stop.wait)  # started after: inherits its creator's binding
+later.start()
+seen = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+stop.set()
+print(json.dumps({"cpu": cpu, "bound": bound, "seen": seen}))
+"""
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to tell a binding from none")
+def test_bind_process_binds_every_thread_and_the_threads_started_after():
+    """AppConfig.bind_replica's binding: every thread of the process, not only the caller (sched_setaffinity
+    on Linux binds one thread), and threads started later inherit it."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", BIND_PROCESS], capture_output=True, text=True, timeout=60, check=True)
+    result = json.loads(out.stdout)
+    assert result["bound"] >= 4  # the main thread and the three others
+    assert len(result["seen"]) >= 5
+    assert all(cpus == [result["cpu"]] for cpus in result["seen"].values()), result
+

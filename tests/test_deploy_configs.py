@@ -32,11 +32,11 @@ def test_local_configs_differ_only_in_tensor_parallelism_replicas_and_binding():
     own (bind_cores), no OpenMP settings, its models compiled."""
     one, two = app_args("dspark.yaml"), app_args("dspark-tp2.yaml")
     assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", "num_replicas", "bind_cores",
-                                                       "draft_placement", "compile_model"}
-    assert set(one) - set(two) == {"draft_placement", "bind_cores", "compile_model"}
+                                                       "bind_replica", "draft_placement", "compile_model"}
+    assert set(one) - set(two) == {"draft_placement", "bind_cores", "bind_replica", "compile_model"}
     assert set(two) <= set(one)
     default, demo = AppConfig(**one), AppConfig(**two)
-    assert default.num_replicas == 2 and default.torch_threads == 1 and default.bind_cores
+    assert default.num_replicas == 2 and default.torch_threads == 1 and default.bind_cores and default.bind_replica
     assert default.draft_placement == "target" and default.worker_env_vars == {}
     assert default.single_thread_max_rows == 0  # one thread: nothing to choose
     assert default.engine_config().compile_model and not demo.engine_config().compile_model

@@ -145,6 +145,11 @@ class AppConfig(BaseModel):
         "finds no CPU free stays unbound. Refused beside OpenMP binding variables (OMP_PROC_BIND, OMP_PLACES, ...) "
         "in worker_env_vars.",
     )
+    bind_replica: bool = Field(
+        False, description="With bind_cores (without it, nothing to follow): the replica's own process (HTTP, the engine loop) runs on the CPUs "
+        "its target rank 0 claimed, so the work it does between two steps, while its worker waits for the next "
+        "one, takes its own worker's core rather than another replica's (dspark_ray/serve/cores.py).",
+    )
     step_timeout_factor: float = Field(
         10.0, ge=1, description="A worker that has not answered a step within this many times the slowest of "
         "its last 64 steps (and at least step_timeout_floor_s, at most worker_call_timeout_s) is handled as "

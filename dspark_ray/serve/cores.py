@@ -87,6 +87,19 @@ def bind_current_thread(cores: tuple[int, ...]) -> None:
     os.sched_setaffinity(0, set(cores))
 
 
+def bind_process(cores: tuple[int, ...]) -> int:
+    """Bind every thread of this process (and so the threads they start) to ``cores``; returns how many
+    were bound (a thread that ended meanwhile is skipped)."""
+    bound = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), set(cores))
+            bound += 1
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return bound
+
+
 def claim_and_bind(n: int, call_on_torch_thread, directory: Path | None = None) -> CoreClaim:
     """Claim ``n`` CPUs for this worker and bind its torch thread to them (``call_on_torch_thread(fn, *args)``
     runs ``fn`` there); an empty claim when none is free (the worker stays unbound)."""
