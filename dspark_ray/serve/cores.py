@@ -89,7 +89,9 @@ def bind_current_thread(cores: tuple[int, ...]) -> None:
 
 def bind_process(cores: tuple[int, ...]) -> int:
     """Bind every thread of this process (and so the threads they start) to ``cores``; returns how many
-    were bound (a thread that ended meanwhile is skipped)."""
+    were bound (a thread that ended meanwhile is skipped; none where the OS has no affinity calls)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0
     bound = 0
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -102,7 +104,12 @@ def bind_process(cores: tuple[int, ...]) -> int:
 
 def claim_and_bind(n: int, call_on_torch_thread, directory: Path | None = None) -> CoreClaim:
     """Claim ``n`` CPUs for this worker and bind its torch thread to them (``call_on_torch_thread(fn, *args)``
-    runs ``fn`` there); an empty claim when none is free (the worker stays unbound)."""
+    runs ``fn`` there); an empty claim when none is free (the worker stays unbound), or where the OS has no
+    CPU affinity calls (macOS: Linux only)."""
+    if not hasattr(os, "sched_setaffinity"):
+        log.warning("bind_cores: this OS cannot bind threads to CPUs (os.sched_setaffinity is Linux only); "
+                    "the worker stays unbound")
+        return CoreClaim()
     claim = claim_cores(n, directory)
     if not claim.cores:
         log.warning("bind_cores: all %d CPUs of this process are claimed by other workers; this one stays "
