@@ -438,8 +438,10 @@ class Engine:
         """The coming step's k, for the requests that adapt to the batch: 0 above
         ``speculation_max_batch``, else adaptive speculation's choice (None: each its own k)."""
         s = self.scheduler
-        batch = min(len(s.running) + len(s.waiting), self.config.max_num_seqs)
         cap = self.config.speculation_max_batch
+        if cap is None and self.spec_controller is None:
+            return  # step_k stays None: every request drafts its own k
+        batch = min(len(s.running) + len(s.waiting), self.config.max_num_seqs)
         if cap is not None and batch > cap:
             s.step_k = 0
             return

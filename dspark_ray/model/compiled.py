@@ -145,7 +145,7 @@ def missing_toolchain() -> str | None:
 
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot be compiled, or None."""
-    from dspark_ray.model.llama import MLP, CausalLM, SelfAttention
+    from dspark_ray.model.llama import MLP, CausalLM, Linear, SelfAttention
 
     if type(model) is not CausalLM:
         return f"{type(model).__name__} is not the plain decoder"
@@ -155,9 +155,10 @@ def unsupported(model: torch.nn.Module) -> str | None:
     for layer in model.model.layers:
         if not isinstance(layer.self_attn, SelfAttention) or type(layer.ffn) is not MLP:
             return "its layers are not plain attention + MLP (mixture of experts or latent attention)"
-        for linear in (layer.self_attn.o_proj, layer.ffn.down_proj):
-            if type(linear).forward is not type(layer.self_attn.q_proj).forward:
-                return "its linears are sharded (tensor parallelism)"
+        attn, ffn = layer.self_attn, layer.ffn
+        if any(type(linear) is not Linear for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                           ffn.gate_proj, ffn.up_proj, ffn.down_proj)):
+            return "its linears are sharded (tensor parallelism)"
     return None
 
 
@@ -200,22 +201,16 @@ def compile_model(model: torch.nn.Module) -> bool:
     for module in model.modules():
         owners = [module] if isinstance(module, Linear) else []
         owners += [value for value in vars(module).values() if isinstance(value, FusedLinears)]
+        # A linear with a matmul of its own (cpu_gemm's PackedGemm) keeps it, behind the opaque op; one
+        # without (no oneDNN for its dtype here) is plain F.linear, which Inductor compiles itself.
         for owner in owners:
-            if isinstance(owner.gemm, _OpGemm):
-                continue
-            matmul = owner.gemm if owner.gemm is not None else _plain_linear(owner.weight)
-            key = _register(matmul, owner.bias, owner.weight.shape[0])
-            keys.append(key)
-            owner.gemm = _OpGemm(key)
+            if owner.gemm is not None and not isinstance(owner.gemm, _OpGemm):
+                key = _register(owner.gemm, owner.bias, owner.weight.shape[0])
+                keys.append(key)
+                owner.gemm = _OpGemm(key)
     weakref.finalize(model, _forget, keys)
     model.compiled = CompiledForward(model)
     return True
-
-
-def _plain_linear(weight: torch.Tensor) -> Callable:
-    def matmul(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.nn.functional.linear(x, weight, bias)
-    return matmul
 
 
 def warm_up(model: torch.nn.Module, shapes: list[tuple[int, int]]) -> float:

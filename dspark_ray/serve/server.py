@@ -208,16 +208,14 @@ class DSparkServer:
             self.http = ReplicaHTTP(self.build_api(), cfg.http_host, cfg.http_port,
                                     HTTPMetrics(cfg.model_name, replica), app_name=app_name,
                                     balance=cfg.balance_connections)
-        if cfg.bind_cores and cfg.bind_replica:
-            self._bind_to_worker()
+        self._bind_to_worker()
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
     def _rebuild_target(self):
         """The services' target rebuilt after a failure; with bind_replica this process follows the new
         rank 0 to the CPUs it claimed."""
         target = self.services.rebuild_target()
-        if self.config.bind_cores and self.config.bind_replica:
-            self._bind_to_worker()
+        self._bind_to_worker()
         return target
 
     def _bind_to_worker(self) -> None:
@@ -226,7 +224,7 @@ class DSparkServer:
         (README, Performance): between two steps the worker waits for its replica, and the replica's work
         then takes that idle core instead of preempting the other replica's worker."""
         shards = getattr(self.services, "shards", None)
-        if not shards:
+        if not (self.config.bind_cores and self.config.bind_replica and shards):
             return
         import ray
 
