@@ -19,11 +19,13 @@ replicas sharing 8 slots, 4 rows each, over real HTTP:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -215,6 +217,44 @@ def start_streams(client: httpx.Client, run: ServeRun, tag: str, max_tokens: int
     return streams
 
 
+@contextlib.contextmanager
+def on_each_replica(run: ServeRun) -> Iterator[list[httpx.Client]]:
+    """One client per prompt, as many on each replica: each keeps one connection alive, and ``GET /stats``
+    on it names the replica the kernel dealt that connection to (the replicas share the port). New
+    connections are opened until each replica has its share; the spare ones are closed. Clients listed
+    alternately, a replica's then the other's."""
+    share = len(PROMPTS) // REPLICAS
+    dealt: dict[str, list[httpx.Client]] = {}
+    try:
+        for _ in range(200):
+            c = httpx.Client(base_url=run.base_url, timeout=httpx.Timeout(120, connect=30),
+                             limits=httpx.Limits(max_connections=1))
+            mine = dealt.setdefault(c.get("/stats").raise_for_status().json()["replica"], [])
+            if len(mine) < share:
+                mine.append(c)
+            else:
+                c.close()
+            if len(dealt) == REPLICAS and all(len(cs) == share for cs in dealt.values()):
+                break
+        assert {r.owner for r in serve_replicas("dspark")} == set(dealt), dealt
+        assert all(len(cs) == share for cs in dealt.values()), f"200 connections dealt as {dealt}"
+        yield [c for row in zip(*dealt.values()) for c in row]
+    finally:
+        for cs in dealt.values():
+            for c in cs:
+                c.close()
+
+
+def start_streams_on(clients: list[httpx.Client], run: ServeRun, tag: str, max_tokens: int,
+                     **extra) -> list[Stream]:
+    """A stream of each prompt, each on a client of its own (``on_each_replica``: as many per replica)."""
+    streams = [Stream(f"{tag}-{i}", p, max_tokens) for i, p in enumerate(PROMPTS)]
+    for s, c in zip(streams, clients, strict=True):
+        s.thread = threading.Thread(target=s.run, args=(c, run.model), kwargs=extra, daemon=True)
+        s.thread.start()
+    return streams
+
+
 def join(streams: list[Stream], timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     for s in streams:
@@ -278,23 +318,12 @@ def test_two_replicas_serve_at_once_without_sharing_a_slot_each_sized_for_its_sh
         assert table == (ROWS + 1, MAX_CONTEXT) and cache == ROWS + 1, (r.owner, table, cache)
     assert slot_snapshot("dspark").capacity == CAPACITY
 
-    # The kernel hands each new connection to either replica, and a replica's first steps are slow (new
-    # shapes), so one batch of streams may never have both replicas holding leases at the same moment
-    # (a fresh-clone CI run saw that once): further batches, each on a client of its own (new
-    # connections), until one does.
-    streams, clients = [], []
-    try:
-        for batch in range(4):
-            clients.append(new_client(two_replicas))
-            streams += start_streams(clients[-1], two_replicas, f"both{batch}", 48)
-            both = watch_until(lambda s: len(leases_by_owner(s)) == REPLICAS, 30)
-            watch_while(streams)
-            join(streams)
-            if len(leases_by_owner(both)) == REPLICAS:
-                break
-    finally:
-        for c in clients:
-            c.close()
+    # Each replica is dealt half the streams (connections it was seen to take), so both hold leases at once.
+    with on_each_replica(two_replicas) as clients:
+        streams = start_streams_on(clients, two_replicas, "both", 48)
+        both = watch_until(lambda s: len(leases_by_owner(s)) == REPLICAS, 60)
+        watch_while(streams)
+        join(streams)
     assert set(leases_by_owner(both)) == {r.owner for r in replicas}, f"not both replicas served: {both.live}"
     for s in streams:
         assert s.completed, s
@@ -302,8 +331,6 @@ def test_two_replicas_serve_at_once_without_sharing_a_slot_each_sized_for_its_sh
     drained()
 
 
-@pytest.mark.ray
-@pytest.mark.slow
 def requests_answered(base_url: str, model: str, n: int = 12) -> list[tuple[int, str | None]]:
     """``n`` small completions in a row, each on a connection of its own (the replicas share the port,
     and the kernel hands each new connection to either one; a kept-alive connection would stay with
@@ -324,7 +351,12 @@ def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_fin
     manager: within a heartbeat every replica refuses new requests (503 ``draining``, Retry-After) and
     reports ``draining`` on /health, while the streams they hold run to the end; /admin/resume turns
     it off for every replica again."""
-    streams = start_streams(client, two_replicas, "drain", 96, speculative=False)
+    with on_each_replica(two_replicas) as clients:
+        drain_while_streaming(two_replicas, reference, client, clients)
+
+
+def drain_while_streaming(two_replicas, reference, client, clients) -> None:
+    streams = start_streams_on(clients, two_replicas, "drain", 96, speculative=False)
     held = watch_until(lambda snap: len(leases_by_owner(snap)) == REPLICAS and all(
         s.chunks for s in streams if s.req_id in {h.lease.req_id for h in snap.live}), 60)
     assert len(leases_by_owner(held)) == REPLICAS, f"not both replicas were serving: {held.live}"
@@ -348,19 +380,20 @@ def test_the_drain_switch_stops_admissions_on_every_replica_and_lets_streams_fin
     drained()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_killed_replica_leaves_the_other_serving_and_its_leases_are_reclaimed(two_replicas, reference):
-    # A client of its own: each stream opens a new connection, which the kernel hands to either
-    # replica's socket (kept-alive ones from the tests before stay with the replicas they went to; a
-    # fresh-clone run once saw no moment with both replicas holding leases).
-    with new_client(two_replicas) as client:
-        killed_replica_leaves_the_other_serving(two_replicas, reference, client)
+    # Half the streams on each replica's connections (left to the kernel's dealing, a fresh-clone run
+    # twice saw no moment with both replicas holding leases); the requests after the kill on new ones.
+    with on_each_replica(two_replicas) as clients, new_client(two_replicas) as client:
+        killed_replica_leaves_the_other_serving(two_replicas, reference, clients, client)
 
 
-def killed_replica_leaves_the_other_serving(two_replicas, reference, client) -> None:
+def killed_replica_leaves_the_other_serving(two_replicas, reference, clients, client) -> None:
     replicas = {r.owner: r for r in serve_replicas("dspark")}
     assert len(replicas) == REPLICAS, replicas
     # Long streams, one token a step, so both replicas are mid-stream when one dies.
-    streams = start_streams(client, two_replicas, "kill", 96, speculative=False)
+    streams = start_streams_on(clients, two_replicas, "kill", 96, speculative=False)
     held = watch_until(lambda snap: len(leases_by_owner(snap)) == REPLICAS and all(
         s.chunks for s in streams if s.req_id in {h.lease.req_id for h in snap.live}), 60)
     owners = leases_by_owner(held)
