@@ -42,7 +42,8 @@ echo "[setup] installing dspark_ray$extras (editable)"
 pip_install -e ".$extras"
 
 # deploy/dspark.yaml compiles its models (compile_model): torch.compile on CPU builds C++ with g++
-# against this Python's headers. Without them the models run eager, slower, with a warning.
+# against this Python's headers, and the CPU attention kernels (dspark_kernels/cpu.py) are C built
+# at first use. Without them the models run eager and attend through torch, slower, with a warning.
 if ! .venv/bin/python -c "from dspark_ray.model.compiled import missing_toolchain as m; raise SystemExit(m() is not None)" 2>/dev/null; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "[setup] installing g++ and the Python headers (Debian packages) for compile_model"

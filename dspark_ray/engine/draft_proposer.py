@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_kernels import cpu as cpu_kernels
 from dspark_kernels import ops, reference
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
@@ -90,20 +91,30 @@ class AheadCounts:
 class RingAttention:
     """Attention callable over the window cache: write this step's K/V, then attend.
 
-    On the CPU path (the kernels' torch references) where each entry goes in the ring and what
-    each query sees is worked out once per forward pass, at the first layer, and reused by the
-    others: every layer writes the same positions (a draft pass is two layers of a few ops each,
-    and these masks were a third of its time)."""
+    On CPU, in float32, one call of the C kernel per layer writes and attends
+    (``dspark_kernels.cpu.ring_attention``; the first layer of a pass also grows the slots'
+    lengths). Otherwise, on the CPU path (the kernels' torch references) where each entry goes
+    in the ring and what each query sees is worked out once per forward pass, at the first
+    layer, and reused by the others: every layer writes the same positions (a draft pass is two
+    layers of a few ops each, and these masks were a third of its time)."""
 
     def __init__(self, cache: DraftWindowCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.cache, self.slots, self.positions = cache, slots, positions  # [B], [B, T]
         self.planned = not ops.uses_triton("window_attention", cache.k[0].device)
+        self._native: cpu_kernels.RingStep | bool | None = None  # the C kernel's pass (decided at its first layer)
         self._ring_plan: reference.RingPlan | None = None
         self._window_plan: reference.WindowPlan | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.cache
         scale = q.shape[-1] ** -0.5
+        if self._native is None:
+            self._native = self.planned and cpu_kernels.takes(q, k, v, c.k[layer])
+            if self._native:
+                slots, positions = c.checked(self.slots, self.positions)
+                self._native = cpu_kernels.RingStep(c.k, c.v, slots, positions, c.length, c.window)
+        if self._native:
+            return self._native(layer, q, k, v)
         if not self.planned:
             c.append(layer, self.slots, self.positions, k.contiguous(), v.contiguous())
             return ops.window_attention(q.contiguous(), c.k[layer], c.v[layer], self.slots, self.positions,

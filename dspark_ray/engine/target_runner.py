@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dspark_kernels import cpu as cpu_kernels
 from dspark_kernels import ops
 from dspark_ray.engine.interfaces import ContextStates, TargetStep, VerifyResult, VerifyRow
 from dspark_ray.engine.latent_attention import LatentKVPool
@@ -368,11 +369,14 @@ class TargetRunner:
         for b, (r, n) in enumerate(zip(rows, counts)):
             tokens[offsets[b]:offsets[b + 1]] = torch.tensor(self._fed(r, vocab))
             positions[offsets[b]:offsets[b + 1]] = torch.arange(r.start, r.start + n)
-        groups = [self._group(rows, counts, offsets, members) for members in group_rows(counts)]
-        if self.latent is not None:
-            attention = self.latent.attention(indices.to(dev), groups)
-        else:
-            attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups, self.sliding_window)
+        token_slots = torch.repeat_interleave(torch.tensor([r.slot for r in rows]), torch.tensor(counts))
+        attention = self._native_step(indices, token_slots, positions)
+        if attention is None:
+            groups = [self._group(rows, counts, offsets, members) for members in group_rows(counts)]
+            if self.latent is not None:
+                attention = self.latent.attention(indices.to(dev), groups)
+            else:
+                attention = PackedAttention(self.k_pools, self.v_pools, indices.to(dev), groups, self.sliding_window)
         hidden, taps = self._hidden(tokens, positions, attention)  # [N, H]
         # Logits at the pending token and after each draft: row b's last k_b + 1 entries.
         first = torch.tensor([offsets[b] + len(r.token_ids) - 1 for b, r in enumerate(rows)])
@@ -403,6 +407,19 @@ class TargetRunner:
             hidden = self.model.hidden_states(tokens[None].to(self.device), positions[None].to(self.device),
                                               attention, taps=taps)[0]
         return hidden, taps
+
+    def _native_step(self, write: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                     ) -> cpu_kernels.PagedStep | None:
+        """The C kernel's attention for a packed step of tokens at ``positions`` [N] in ``slots`` [N],
+        written at pool indices ``write`` [N] (all on the host), where it takes this runner (CPU, float32
+        pools, per-head K/V); None: the torch path. Token n sees keys ``p - window < k <= p`` of its slot's
+        row of the table, ``p`` its own position (a row's length is past every position it feeds)."""
+        if self.latent is not None or not cpu_kernels.takes(self.k_pools[0]):
+            return None
+        lo = (torch.zeros_like(positions) if self.sliding_window is None
+              else (positions - self.sliding_window + 1).clamp_min(0))
+        return cpu_kernels.PagedStep(self.k_pools, self.v_pools, write, self.table.table,
+                                     slots * self.table.table.shape[1], lo, positions)
 
     def _keys(self, positions: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,10 +486,13 @@ class TargetRunner:
             lengths[b] = r.start + n
             slots[b] = r.slot
             offset += n
-        key_index, mask = self._keys(positions, lengths, slots)
-        group = AttentionGroup(torch.arange(size * K1).view(size, K1).to(dev),
-                               torch.ones((size, K1), dtype=torch.bool, device=dev), key_index, mask, whole=True)
-        attention = PackedAttention(self.k_pools, self.v_pools, write.view(-1).to(dev), [group], self.sliding_window)
+        attention = self._native_step(write.view(-1), slots[:, None].expand(size, K1).reshape(-1), positions.view(-1))
+        if attention is None:
+            key_index, mask = self._keys(positions, lengths, slots)
+            group = AttentionGroup(torch.arange(size * K1).view(size, K1).to(dev),
+                                   torch.ones((size, K1), dtype=torch.bool, device=dev), key_index, mask, whole=True)
+            attention = PackedAttention(self.k_pools, self.v_pools, write.view(-1).to(dev), [group],
+                                        self.sliding_window)
         hidden, taps = self._hidden(tokens.view(-1), positions.view(-1), attention)  # [size * K1, H]
         # Row b's logits at its pending token and after each draft; entries past its own repeat its last.
         base = torch.arange(B)[:, None] * K1

@@ -110,11 +110,17 @@ class DraftWindowCache:
         """The length bookkeeping of ``append``: checks ``positions`` and grows each slot's length
         to cover them; returns both as int64 tensors. For a caller that writes every layer's K/V
         itself (the draft's CPU path, which works out the ring places once per pass)."""
+        slots, positions = self.checked(slots, positions)
+        ends = (positions.amax(dim=1) + 1).clamp_min(0)  # [B]; all-padding rows give 0
+        self.length.scatter_reduce_(0, slots, ends, reduce="amax")
+        return slots, positions
+
+    def checked(self, slots: Ints, positions: torch.Tensor | Sequence[Sequence[int]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slots`` [B] and ``positions`` [B, T] as int64 tensors, T checked against the ring."""
         slots, positions = self._long(slots), self._long(positions)
         if positions.dim() != 2 or positions.shape[1] > self.ring:
             raise ValueError(f"positions must be [B, T] with T <= ring ({self.ring}), got {tuple(positions.shape)}")
-        ends = (positions.amax(dim=1) + 1).clamp_min(0)  # [B]; all-padding rows give 0
-        self.length.scatter_reduce_(0, slots, ends, reduce="amax")
         return slots, positions
 
     def set_length(self, slots: Ints, lengths: Ints) -> None:

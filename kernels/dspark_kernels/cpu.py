@@ -1,0 +1,251 @@
+"""The CPU attention kernels of ``csrc/cpu_attention.c``: built at first use, called through ctypes.
+
+``paged_attention`` (the target's packed step) and ``ring_attention`` (the
+draft's window cache) each write a step's K/V and attend in one call, where
+the torch path (``reference``) takes 10-20 small ops per layer; on the
+2-core development box (1 thread, shipped pair) that took the target's
+attention from ~120 to ~15 us a layer and the draft's from ~175 to ~10
+(bench/HISTORY.md, twentieth session). Float32 only; the callers take the
+torch path for any other dtype, for CUDA tensors, or when the kernels are
+off or could not be built.
+
+Built with the system's C compiler (``CC``, else ``cc``/``gcc``/``clang`` on
+PATH) for this machine's CPU (``-march=native``), into
+``$DSPARK_CACHE_DIR`` (default ``~/.cache/dspark_ray``) under a name hashed
+from the source, the compiler, the flags and the CPU, so a machine builds
+it once (well under a second) and a shared home directory never hands one
+CPU another's build. Processes that start together may each build it; each
+writes a file of its own and renames it into place.
+
+``DSPARK_CPU_KERNELS=0`` turns them off (the torch path everywhere); so does
+``ops.set_backend("reference")``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dspark_kernels import ops
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.c"
+FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
+_ERRORS = {
+    -1: "a write index is outside the KV cache",
+    -2: "a key index is outside the KV pool",
+    -3: "a slot is outside the window cache",
+    -4: "head counts or head_dim this build does not take",
+    -5: "out of memory",
+}
+
+
+class CpuKernelError(RuntimeError):
+    """A CPU kernel refused its inputs (nothing was written)."""
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used: not turned off, and the kernel backend not forced."""
+    return os.environ.get("DSPARK_CPU_KERNELS", "1") != "0" and ops.get_backend() == "auto"
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``tensors`` (float32, CPU) and are enabled and built here."""
+    return (all(t.dtype == torch.float32 and not t.is_cuda for t in tensors)
+            and enabled() and library() is not None)
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or (cc if os.path.isfile(cc) else None)
+    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile ``SOURCE`` to ``target`` (for this CPU if the compiler takes -march=native)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        errors = ""
+        for march in (("-march=native",), ()):
+            run = subprocess.run([cc, *FLAGS, *march, str(SOURCE), "-o", tmp, "-lm"],
+                                 capture_output=True, text=True, timeout=120)
+            if run.returncode == 0:
+                os.replace(tmp, target)
+                return
+            errors = run.stderr.strip()
+        raise CpuKernelError(f"{cc} failed: {errors[-2000:]}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels (built now if this machine has none yet), or None, with a warning once,
+    where there is no C compiler or the build fails."""
+    if not enabled():
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("CPU attention kernels: no C compiler (cc, gcc or clang on PATH, or CC); attention "
+                    "takes the slower torch path")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, _cpu_id()]).encode()).hexdigest()
+        cache = Path(os.environ.get("DSPARK_CACHE_DIR") or Path.home() / ".cache" / "dspark_ray")
+        path = cache / f"cpu_attention-{key[:16]}.so"
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError, CpuKernelError) as exc:
+        log.warning("CPU attention kernels could not be built (%s); attention takes the slower torch path", exc)
+        return None
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.dspark_paged_attention_f32.argtypes = [p, p, p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, p]
+    lib.dspark_paged_attention_f32.restype = ctypes.c_int
+    lib.dspark_ring_attention_f32.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int, i64, i64, i64, i64, i64,
+                                              i64, i64, i64, f32, p]
+    lib.dspark_ring_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise CpuKernelError(_ERRORS.get(code, f"error {code}"))
+
+
+def _int64(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    if t.dtype != torch.int64 or tuple(t.shape) != shape:
+        raise CpuKernelError(f"{name} must be int64 {shape}, got {t.dtype} {tuple(t.shape)}")
+    return t.contiguous()
+
+
+class PagedStep:
+    """The target's attention callable for one packed step (``layer, q, k, v -> out``, each ``[1, N, H, D]``).
+
+    Built once per step (the inputs every layer shares checked and held here); each layer is one
+    kernel call: the step's K/V written to that layer's pools at ``write_index``, then token n's
+    query attends over key positions ``key_lo[n]..key_hi[n]`` of its row, position ``kp`` at pool
+    index ``table.view(-1)[key_base[n] + kp]`` (``key_base[n] < 0``: no query, zeros). What
+    ``PackedAttention`` computes with a gather and a masked SDPA per group, the mask a run of keys."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],  # per layer [P, Hkv, D] float32
+        v_pools: list[torch.Tensor],
+        write_index: torch.Tensor,  # [N] int64
+        table: torch.Tensor,  # int32, contiguous: the request-to-token table
+        key_base: torch.Tensor,  # [N] int64
+        key_lo: torch.Tensor,  # [N] int64
+        key_hi: torch.Tensor,  # [N] int64
+    ) -> None:
+        n = write_index.shape[0]
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self._held = [_int64(t, (n,), name) for t, name in
+                      ((write_index, "write_index"), (key_base, "key_base"), (key_lo, "key_lo"), (key_hi, "key_hi"))]
+        if table.dtype != torch.int32 or not table.is_contiguous():
+            raise CpuKernelError(f"the key table must be contiguous int32, got {table.dtype}")
+        pool = k_pools[0]
+        if any(not (p.is_contiguous() and p.shape == pool.shape and p.dtype == torch.float32)
+               for p in (*k_pools, *v_pools)):
+            raise CpuKernelError("the KV pools must be contiguous float32 [P, Hkv, D], alike")
+        self._table = table
+        write, base, lo, hi = (t.data_ptr() for t in self._held)
+        self._step = (write, table.data_ptr(), table.numel(), base, lo, hi, n, pool.shape[0])
+        self._call = library().dspark_paged_attention_f32
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        n, hq, d = q.shape[-3:]
+        hkv = k.shape[-2]
+        if q.dtype != torch.float32 or k.shape != (1, n, hkv, d) or v.shape != k.shape or n != self._step[6]:
+            raise CpuKernelError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit this step")
+        out = torch.empty_like(q)
+        _check(self._call(q.data_ptr(), k.data_ptr(), v.data_ptr(), self.k_pools[layer].data_ptr(),
+                          self.v_pools[layer].data_ptr(), *self._step, hq, hkv, d, d ** -0.5, out.data_ptr()))
+        return out
+
+
+class RingStep:
+    """The draft's attention callable for one pass over the window cache (``layer, q, k, v -> out``,
+    each ``[B, T, H, D]``): each layer is one kernel call, ``reference.ring_write`` then
+    ``reference.window_attention``; the first call also grows each slot's length to cover its
+    positions (``DraftWindowCache.cover``), which every later layer then sees."""
+
+    def __init__(
+        self,
+        k_cache: list[torch.Tensor],  # per layer [S, ring, Hkv, D] float32
+        v_cache: list[torch.Tensor],
+        slots: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B, T] int64, < 0 = padding
+        lengths: torch.Tensor,  # [S] int64, grown in place
+        window: int,
+    ) -> None:
+        b, t = positions.shape
+        cache = k_cache[0]
+        if any(not (c.is_contiguous() and c.shape == cache.shape and c.dtype == torch.float32)
+               for c in (*k_cache, *v_cache)):
+            raise CpuKernelError("the window caches must be contiguous float32 [S, ring, Hkv, D], alike")
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self._held = [_int64(slots, (b,), "slots"), _int64(positions, (b, t), "positions"),
+                      _int64(lengths, (cache.shape[0],), "lengths")]
+        if not lengths.is_contiguous():
+            raise CpuKernelError("lengths must be contiguous (it is grown in place)")
+        slots_p, positions_p, lengths_p = (x.data_ptr() for x in self._held)
+        self._pass = (slots_p, positions_p, lengths_p)
+        self._dims = (b, t, cache.shape[0], cache.shape[1], window)
+        self._covered = False
+        self._call = library().dspark_ring_attention_f32
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        b, t, hq, d = q.shape
+        hkv = k.shape[2]
+        if q.dtype != torch.float32 or k.shape != (b, t, hkv, d) or v.shape != k.shape or (b, t) != self._dims[:2]:
+            raise CpuKernelError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit this pass")
+        out = torch.empty_like(q)
+        _check(self._call(q.data_ptr(), k.data_ptr(), v.data_ptr(), self.k_cache[layer].data_ptr(),
+                          self.v_cache[layer].data_ptr(), *self._pass, int(not self._covered), *self._dims,
+                          hq, hkv, d, d ** -0.5, out.data_ptr()))
+        self._covered = True
+        return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor, write_index: torch.Tensor, table: torch.Tensor, key_base: torch.Tensor,
+                    key_lo: torch.Tensor, key_hi: torch.Tensor) -> torch.Tensor:
+    """One layer of ``PagedStep``: q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
+    step = PagedStep([k_pool], [v_pool], write_index, table, key_base, key_lo, key_hi)
+    return step(0, q[None], k[None], v[None])[0]
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """The first layer of a ``RingStep`` (lengths grown): q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]."""
+    return RingStep([k_cache], [v_cache], slots, positions, lengths, window)(0, q, k, v)

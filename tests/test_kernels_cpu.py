@@ -1,0 +1,219 @@
+"""The CPU attention kernels (dspark_kernels/csrc/cpu_attention.c, called through dspark_kernels.cpu).
+
+Each is checked against its torch reference (dspark_kernels.reference) on random
+inputs: the target's packed step (``PagedStep``: KV written through the
+write index, keys read through an int32 request-to-token table, grouped heads,
+sliding windows, head dims with and without a vector specialisation), and the
+draft's window cache (``RingStep``: padding, catch-up chunks, positions that wrap
+the ring, the lengths grown at the first layer only). Bad indices are refused
+before anything is written. In the engine: both models' attention runs on the
+kernels, and greedy output equals the torch path's token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
+from dspark_kernels import cpu, ops, reference
+from dspark_ray.engine import EngineConfig, SamplingParams
+from dspark_ray.engine.local import build_local_engine
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler here to build the CPU kernels")
+
+
+def paged_case(seed: int, rows: int, fed: int, context: int, hq: int, hkv: int, d: int):
+    """A packed step of ``rows`` rows feeding ``fed`` tokens each after ``context - fed`` held ones:
+    pools with random contents, a table mapping each row's positions to distinct pool indices."""
+    g = torch.Generator().manual_seed(seed)
+    pool = rows * context + 7
+    k_pool, v_pool = torch.randn(pool, hkv, d, generator=g), torch.randn(pool, hkv, d, generator=g)
+    table = torch.zeros(rows + 1, context + 3, dtype=torch.int32)  # row 0: the padding row, unused here
+    order = torch.randperm(pool - 1, generator=g)[:rows * context] + 1
+    table[1:, :context] = order.view(rows, context).to(torch.int32)
+    slots = torch.arange(1, rows + 1).repeat_interleave(fed)  # [N]
+    positions = (torch.arange(fed) + context - fed).repeat(rows)  # [N]
+    write = table[slots, positions].long()
+    n = rows * fed
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
+    return k_pool, v_pool, table, slots, positions, write, q, k, v
+
+
+@pytest.mark.parametrize("rows, fed, context, hq, hkv, d, window", [
+    (1, 1, 1, 4, 2, 64, None),  # a first token: one key, itself
+    (1, 5, 60, 4, 2, 64, None),  # the shipped target verifying 4 drafts
+    (4, 5, 200, 8, 2, 128, None),  # four query heads a K/V head, head_dim 128
+    (3, 2, 40, 4, 4, 96, 16),  # no grouping, a head_dim without a vector path, a sliding window
+    (2, 33, 33, 2, 1, 256, 8),  # a prefill chunk, head_dim 256
+])
+def test_paged_step_matches_the_reference(rows, fed, context, hq, hkv, d, window):
+    k_pool, v_pool, table, slots, positions, write, q, k, v = paged_case(0, rows, fed, context, hq, hkv, d)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want_k.index_copy_(0, write, k)
+    want_v.index_copy_(0, write, v)
+    want = reference.paged_attention(q.view(rows, fed, hq, d), want_k, want_v, table, torch.arange(1, rows + 1),
+                                     positions.view(rows, fed), d ** -0.5, window).view(-1, hq, d)
+    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp_min(0)
+    got = cpu.paged_attention(q, k, v, k_pool, v_pool, write, table, slots * table.shape[1], lo, positions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+
+
+def test_paged_step_leaves_non_queries_zero_and_reads_every_layer_s_own_pools():
+    k_pool, v_pool, table, slots, positions, write, q, k, v = paged_case(1, 2, 3, 20, 4, 2, 64)
+    base = slots * table.shape[1]
+    base[1] = -1  # token 1 writes its K/V but asks nothing
+    pools = [(k_pool.clone(), v_pool.clone()), (torch.randn_like(k_pool), torch.randn_like(v_pool))]
+    step = cpu.PagedStep([p[0] for p in pools], [p[1] for p in pools], write, table, base,
+                         torch.zeros_like(positions), positions)
+    first, second = (step(layer, q[None], k[None], v[None])[0] for layer in (0, 1))
+    assert torch.equal(first[1], torch.zeros_like(first[1])) and torch.equal(second[1], torch.zeros_like(second[1]))
+    for layer, out in ((0, first), (1, second)):
+        k_l, v_l = pools[layer]
+        want = reference.paged_attention(q.view(2, 3, 4, 64), k_l, v_l, table, torch.tensor([1, 2]),
+                                         positions.view(2, 3), 64 ** -0.5).view(-1, 4, 64)
+        assert torch.equal(k_l[write], k) and torch.equal(v_l[write], v)
+        keep = torch.arange(6) != 1
+        torch.testing.assert_close(out[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+def ring_case(seed: int, slots: int, ring: int, hkv: int, d: int):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots + 1, ring, hkv, d, generator=g)
+    v_cache = torch.randn(slots + 1, ring, hkv, d, generator=g)
+    return g, k_cache, v_cache
+
+
+@pytest.mark.parametrize("rows, t, start, hq, hkv, d", [
+    (1, 1, 0, 4, 2, 64),  # a slot's first position
+    (4, 1, 70, 4, 2, 64),  # one draft token a row, positions past the ring (it wrapped)
+    (3, 5, 30, 8, 2, 128),  # a catch-up chunk
+    (2, 9, 10, 3, 3, 48),  # no grouping, a head_dim without a vector path
+])
+def test_ring_step_matches_the_reference(rows, t, start, hq, hkv, d):
+    window, ring = 32, 36
+    g, k_cache, v_cache = ring_case(2, 6, ring, hkv, d)
+    slots = torch.tensor([2, 5, 1, 4][:rows])
+    lengths = torch.zeros(7, dtype=torch.int64)
+    lengths[slots] = start  # each row continues its slot
+    if start + t < ring - 1:  # stale contents past a slot's length are never read
+        k_cache[slots[0], ring - 1] = float("nan")
+    positions = start + torch.arange(t).repeat(rows, 1)
+    if rows > 1 and t > 1:
+        positions[1, -2:] = -1  # padding: neither written nor attended
+    qs = [torch.randn(rows, t, hq, d, generator=g) for _ in range(2)]
+    ks = [torch.randn(rows, t, hkv, d, generator=g) for _ in range(2)]
+    vs = [torch.randn(rows, t, hkv, d, generator=g) for _ in range(2)]
+    want_k, want_v, want_len = [k_cache.clone(), k_cache.clone()], [v_cache.clone(), v_cache.clone()], lengths.clone()
+    want_len.scatter_reduce_(0, slots, (positions.amax(1) + 1).clamp_min(0), reduce="amax")
+    wants = []
+    for layer in range(2):  # two layers: the second sees the lengths the first grew
+        reference.ring_write(want_k[layer], want_v[layer], slots, positions, ks[layer], vs[layer])
+        wants.append(reference.window_attention(qs[layer], want_k[layer], want_v[layer], slots, positions, want_len,
+                                                window, d ** -0.5))
+    caches_k, caches_v = [k_cache.clone(), k_cache.clone()], [v_cache.clone(), v_cache.clone()]
+    step = cpu.RingStep(caches_k, caches_v, slots, positions, lengths, window)
+    for layer in range(2):
+        got = step(layer, qs[layer], ks[layer], vs[layer])
+        torch.testing.assert_close(got, wants[layer], rtol=1e-5, atol=1e-5)
+        assert not got.isnan().any()
+        assert torch.equal(caches_k[layer].nan_to_num(), want_k[layer].nan_to_num())
+        assert torch.equal(caches_v[layer], want_v[layer])
+    assert torch.equal(lengths, want_len)
+
+
+def test_bad_indices_are_refused_and_nothing_is_written():
+    k_pool, v_pool, table, slots, positions, write, q, k, v = paged_case(3, 2, 2, 10, 4, 2, 64)
+    before = k_pool.clone(), v_pool.clone()
+    bad_write = write.clone()
+    bad_write[-1] = k_pool.shape[0]
+    with pytest.raises(cpu.CpuKernelError, match="write index is outside"):
+        cpu.paged_attention(q, k, v, k_pool, v_pool, bad_write, table, slots * table.shape[1],
+                            torch.zeros_like(positions), positions)
+    bad_table = table.clone()
+    bad_table[2, 0] = 10**6
+    with pytest.raises(cpu.CpuKernelError, match="key index is outside"):
+        cpu.paged_attention(q, k, v, k_pool, v_pool, write, bad_table, slots * table.shape[1],
+                            torch.zeros_like(positions), positions)
+    assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
+    with pytest.raises(cpu.CpuKernelError, match="int64"):
+        cpu.paged_attention(q, k, v, k_pool, v_pool, write.int(), table, slots * table.shape[1],
+                            torch.zeros_like(positions), positions)
+
+    _, k_cache, v_cache = ring_case(4, 3, 8, 2, 64)
+    cache_before, lengths = k_cache.clone(), torch.zeros(4, dtype=torch.int64)
+    x = torch.randn(1, 1, 4, 64)
+    with pytest.raises(cpu.CpuKernelError, match="slot is outside"):
+        cpu.ring_attention(x, x[:, :, :2], x[:, :, :2], k_cache, v_cache, torch.tensor([4]), torch.tensor([[0]]),
+                           lengths, 4)
+    assert torch.equal(k_cache.nan_to_num(), cache_before.nan_to_num()) and not lengths.any()
+
+
+def test_the_kernels_are_off_when_turned_off_or_the_reference_is_forced(monkeypatch):
+    x = torch.zeros(2)
+    assert cpu.takes(x) and not cpu.takes(x.double())
+    with ops.use_backend("reference"):
+        assert not cpu.takes(x)
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+    assert not cpu.takes(x)
+
+
+def test_a_fresh_build_and_a_missing_compiler(tmp_path, monkeypatch, caplog):
+    """A new cache folder gets its own build; without a compiler the kernels are off, with a warning."""
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    cpu.library.cache_clear()
+    try:
+        assert cpu.library() is not None and len(list(tmp_path.glob("cpu_attention-*.so"))) == 1
+        cpu.library.cache_clear()
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        with caplog.at_level(logging.WARNING, logger="dspark_kernels.cpu"):
+            assert cpu.library() is None and not cpu.takes(torch.zeros(1))
+        assert "no C compiler" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu.library.cache_clear()
+    assert cpu.library() is not None
+
+
+def test_the_engine_attends_on_the_kernels_and_greedy_output_equals_the_torch_path():
+    """The shipped pair in float32: every attention layer of the target and the draft runs on the
+    kernels, and speculative greedy output is the torch path's, token for token."""
+    common = dict(model=str(shipped(SHIPPED_TARGET, "model.safetensors")), capacity=8, max_context=160,
+                  draft=str(shipped(SHIPPED_DRAFT, "model.safetensors")), adaptive_speculation=False,
+                  dtype="float32", draft_dtype="float32")
+    prompts = ["ROMEO:\nWhat light", "First Citizen:\nWe are", "KING", "To be, or not to be"]
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    calls = {"paged": 0, "ring": 0}
+    paged_call, ring_call = cpu.PagedStep.__call__, cpu.RingStep.__call__
+
+    def run() -> dict[int, list[int]]:
+        engine = build_local_engine(EngineConfig(**common))
+        ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+        out: dict[int, list[int]] = {i: [] for i in ids.values()}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[ids[o.req_id]].extend(o.new_token_ids)
+        return out
+
+    def counted(kind, call):
+        def wrapper(self, *args):
+            calls[kind] += 1
+            return call(self, *args)
+        return wrapper
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cpu.PagedStep, "__call__", counted("paged", paged_call))
+    mp.setattr(cpu.RingStep, "__call__", counted("ring", ring_call))
+    try:
+        with_kernels = run()
+    finally:
+        mp.undo()
+    assert calls["paged"] > 0 and calls["paged"] % 8 == 0  # the target's 8 layers, every step
+    assert calls["ring"] > 0 and calls["ring"] % 2 == 0  # the draft's 2 layers, every pass
+    with ops.use_backend("reference"):
+        torch_path = run()
+    assert with_kernels == torch_path
+    assert all(len(tokens) == 96 for tokens in torch_path.values())
