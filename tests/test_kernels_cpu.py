@@ -166,7 +166,7 @@ def test_a_fresh_build_and_a_missing_compiler(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
     cpu.library.cache_clear()
     try:
-        assert cpu.library() is not None and len(list(tmp_path.glob("cpu_attention-*.so"))) == 1
+        assert cpu.library() is not None and len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
         cpu.library.cache_clear()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         with caplog.at_level(logging.WARNING, logger="dspark_kernels.cpu"):
@@ -217,3 +217,70 @@ def test_the_engine_attends_on_the_kernels_and_greedy_output_equals_the_torch_pa
         torch_path = run()
     assert with_kernels == torch_path
     assert all(len(tokens) == 96 for tokens in torch_path.values())
+
+
+# -- bfloat16 weight copies for small matmuls (csrc/cpu_gemm.c) ---------------------------------------
+
+
+def bf16_valued(*shape: int, seed: int = 0) -> torch.Tensor:
+    """A float32 tensor of bfloat16 values (a bfloat16 checkpoint loaded in float32)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (256, 768), (4096, 256), (100, 37), (64, 1)])
+def test_bf16_gemm_is_the_float32_matmul_and_each_row_its_own(out_features, in_features):
+    """The bfloat16 copy of a weight of bfloat16 values computes the float32 matmul (up to the order of
+    the sums), for every row count and for widths that leave a partial panel; each row's bits are the
+    same alone as beside any others (a request's logits do not depend on its batch)."""
+    weight, bias = bf16_valued(out_features, in_features), torch.randn(out_features)
+    gemm = cpu.Bf16Gemm(weight)
+    x = torch.randn(13, in_features, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(13)])
+    for rows in (1, 2, 5, 6, 7, 12, 13):
+        got = gemm(x[:rows])
+        torch.testing.assert_close(got, x[:rows] @ weight.T, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got, alone[:rows])
+    torch.testing.assert_close(gemm(x.view(13, 1, in_features), bias), (x @ weight.T + bias)[:, None],
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(cpu.CpuKernelError, match="bfloat16 values"):
+        cpu.Bf16Gemm(weight + 1e-3)
+    with pytest.raises(cpu.CpuKernelError, match="float32"):
+        gemm(x.double())
+
+
+def test_linears_of_bf16_values_get_copies_used_for_their_small_calls(monkeypatch):
+    """``pack_weights`` gives every linear a bfloat16 copy when all the model's float32 weights hold
+    bfloat16 values (the shipped pair: a bfloat16 checkpoint) and the copies fit the cap; calls of up to
+    BF16_MAX_ROWS rows run on it (bit for bit its kernel; after the weight changes in place they still see
+    the copy), larger ones as before. Otherwise no copies."""
+    import torch.nn.functional as F
+
+    from dspark_ray.model import cpu_gemm
+    from dspark_ray.model.loader import load
+
+    model = load(shipped(SHIPPED_DRAFT, "model.safetensors"), dtype="float32")
+    gemms = [model.lm_gemm, model.model.layers[0].self_attn.o_proj.gemm, model.model.layers[1].mlp.down_proj.gemm]
+    assert all(g.bf16 is not None for g in gemms)
+    gemm = gemms[1]
+    small = torch.randn(cpu_gemm.BF16_MAX_ROWS, gemm.weight.shape[1])
+    large = torch.randn(cpu_gemm.BF16_MAX_ROWS + 1, gemm.weight.shape[1])
+    torch.testing.assert_close(gemm(small), F.linear(small, gemm.weight), rtol=1e-5, atol=1e-4)
+    assert torch.equal(gemm(small), cpu.Bf16Gemm(gemm.weight)(small))  # the copy's kernel, bit for bit
+    assert torch.equal(gemm(large), F.linear(large, gemm.weight))  # past it: torch's matmul, as before
+    before = gemm(small)
+    with torch.no_grad():
+        gemm.weight.mul_(2)  # the parameter changes; the copy does not
+    try:
+        assert torch.equal(gemm(small), before) and torch.equal(gemm(large), F.linear(large, gemm.weight))
+    finally:
+        with torch.no_grad():
+            gemm.weight.div_(2)
+
+    monkeypatch.setattr(cpu_gemm, "BF16_COPY_MAX_BYTES", 1000)
+    assert cpu_gemm.PackedGemm(gemm.weight).bf16 is None
+    assert not cpu_gemm.bf16_copies([gemm.weight])  # over the cap
+    monkeypatch.undo()
+    assert cpu_gemm.bf16_copies([gemm.weight]) and not cpu_gemm.bf16_copies([gemm.weight + 1e-3])
+    assert not cpu_gemm.bf16_copies([gemm.weight.to(torch.bfloat16)])  # bfloat16 weights need no copy
+    with ops.use_backend("reference"):
+        assert not cpu_gemm.bf16_copies([gemm.weight])

@@ -40,14 +40,45 @@ packed kernel: there torch's matmul at one row is the slower one (AVX512-BF16
 EPYC, 1 thread, best of 3, the draft's q/k/v, o, gate/up, down and LM head
 shapes: 27/22/51/34/113 us unpacked against 18/16/40/29/73 packed). On big
 models every shape is far over the threshold beyond a row, so they run packed.
+
+NOTE: bfloat16 copies for small calls. A bfloat16 checkpoint loaded in float32
+(``dtype: auto`` on CPU; the shipped pair) has float32 weights that are
+bfloat16 values widened, so a bfloat16 copy is the same numbers in half the
+bytes. ``pack_weights`` makes one per linear (``dspark_kernels.cpu.Bf16Gemm``,
+column panels) when every weight of the model is such, the CPU kernels are
+built here, and the copies come to at most ``BF16_COPY_MAX_BYTES``
+(``DSPARK_BF16_COPIES=0``: none). Calls of at most ``BF16_MAX_ROWS`` rows run
+on it: products and sums in float32, so the float32 model up to the order of
+the sums (~1e-6, like another BLAS), each row computed alone (its bits do not
+depend on its batch). A decode or verify step of a small model streams every
+weight from the last-level cache for a few rows, so half the bytes is most of
+the gain: with cold weights (each read once in a round of 12 copies, 1 thread,
+us, float32 path / copy) q/k/v [512, 256] 31/26 at one row and 43/30 at five,
+gate/up [1536, 256] 59/47 and 94/60, the LM head [4096, 256] 149/110 and
+232/145; level at 16 rows, slower beyond. In process (shipped pair, k = 4, 1
+thread, interleaved) an engine step went 7.8 -> 6.4 ms at batch 1 and 11.3 ->
+10.2 at batch 4 (bench/HISTORY.md, twentieth session). The copies add half the
+float32 weights' bytes to the process.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_kernels import cpu as cpu_kernels
+
+log = logging.getLogger(__name__)
+
+# Calls of at most this many rows run on the bfloat16 copy when a linear has one (module docstring).
+BF16_MAX_ROWS = 12
+# The most bytes of bfloat16 copies a model gets (its float32 weights' half): small models, where a
+# decode step streams every weight for a few rows; a bigger one keeps its memory.
+BF16_COPY_MAX_BYTES = 1 << 30
 # oneDNN picks the packed layout for this many rows; it is correct for any number.
 BATCH_HINT = 32
 # A float32 call of one row, or of at most this many multiply-adds (rows x in x out), uses torch's
@@ -68,21 +99,26 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedGemm:
-    """``x @ weight.T (+ bias)`` through oneDNN with ``weight`` [out, in] reordered once."""
+    """``x @ weight.T (+ bias)`` through oneDNN with ``weight`` [out, in] reordered once; with ``bf16``,
+    calls of at most ``BF16_MAX_ROWS`` rows run on a bfloat16 copy of a float32 weight of bfloat16
+    values (module docstring)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bf16: bool = False) -> None:
         assert weight.dim() == 2 and weight.device.type == "cpu", weight.shape
         self.out_features = weight.shape[0]
         self.weight = weight.detach()  # the parameter itself (no copy), for small calls
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), BATCH_HINT)
         # The most rows a call may have and still run unpacked (0: never).
         self.unpacked_max_rows = max(1, UNPACKED_MAX_MACS // weight.numel()) if weight.dtype == torch.float32 else 0
+        self.bf16 = cpu_kernels.Bf16Gemm(self.weight) if bf16 else None
 
     def __call__(
         self,
         x: torch.Tensor,  # [..., in], the weight's dtype
         bias: torch.Tensor | None = None,  # [out]
     ) -> torch.Tensor:  # [..., out]
+        if self.bf16 is not None and x.numel() <= BF16_MAX_ROWS * x.shape[-1]:
+            return self.bf16(x, bias)
         if x.numel() <= self.unpacked_max_rows * x.shape[-1]:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -100,12 +136,27 @@ def pack_weights(model: nn.Module) -> nn.Module:
     param = next(model.parameters())
     if not available(param.device, param.dtype):
         return model
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.gemm = PackedGemm(module.weight)
-        for value in vars(module).values():
-            if isinstance(value, FusedLinears):
-                value.gemm = PackedGemm(value.weight)
+    owners = [module for module in model.modules() if isinstance(module, Linear)]
+    owners += [value for module in model.modules() for value in vars(module).values() if isinstance(value, FusedLinears)]
+    weights = [owner.weight for owner in owners] + ([model.lm_weight] if isinstance(model, CausalLM) else [])
+    bf16 = bf16_copies(weights)
+    for owner in owners:
+        owner.gemm = PackedGemm(owner.weight, bf16)
     if isinstance(model, CausalLM):
-        model.lm_gemm = PackedGemm(model.lm_weight)
+        model.lm_gemm = PackedGemm(model.lm_weight, bf16)
     return model
+
+
+def bf16_copies(weights: list[torch.Tensor]) -> bool:
+    """Whether the linears of these float32 ``weights`` get bfloat16 copies for their small calls: the
+    CPU kernels are built here, every weight holds bfloat16 values only (so the copy is the same
+    numbers), and the copies come to at most ``BF16_COPY_MAX_BYTES`` (module docstring)."""
+    if (not weights or weights[0].dtype != torch.float32 or not cpu_kernels.takes(weights[0])
+            or os.environ.get("DSPARK_BF16_COPIES", "1") == "0"):
+        return False
+    total = 2 * sum(w.numel() for w in weights)
+    if total > BF16_COPY_MAX_BYTES:
+        log.info("no bfloat16 weight copies for small matmuls: they would take %.1f GB (at most %.1f)",
+                 total / 1e9, BF16_COPY_MAX_BYTES / 1e9)
+        return False
+    return all(cpu_kernels.bf16_exact(w) for w in weights)

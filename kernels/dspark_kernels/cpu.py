@@ -1,19 +1,26 @@
-"""The CPU attention kernels of ``csrc/cpu_attention.c``: built at first use, called through ctypes.
+"""The CPU kernels of ``csrc/``: built at first use, called through ctypes.
+
+Attention (``csrc/cpu_attention.c``):
 
 ``paged_attention`` (the target's packed step) and ``ring_attention`` (the
 draft's window cache) each write a step's K/V and attend in one call, where
-the torch path (``reference``) takes 10-20 small ops per layer; on the
-2-core development box (1 thread, shipped pair) that took the target's
-attention from ~120 to ~15 us a layer and the draft's from ~175 to ~10
+the torch path (``reference``) takes 10-20 small ops per layer. On the
+2-core development box (1 thread, shipped pair, an engine step at batch 1)
+the draft's attention went from ~175 to ~40 us a layer and the target's from
+~120 to ~50-80 (contexts of 100-200 tokens), the step from 9.95 to 7.73 ms
 (bench/HISTORY.md, twentieth session). Float32 only; the callers take the
 torch path for any other dtype, for CUDA tensors, or when the kernels are
 off or could not be built.
+
+``Bf16Gemm`` (``csrc/cpu_gemm.c``): a small matmul of a float32 weight of
+bfloat16 values from a bfloat16 copy, every product and sum in float32
+(``dspark_ray/model/cpu_gemm.py`` says when it is used).
 
 Built with the system's C compiler (``CC``, else ``cc``/``gcc``/``clang`` on
 PATH) for this machine's CPU (``-march=native``), into
 ``$DSPARK_CACHE_DIR`` (default ``~/.cache/dspark_ray``) under a name hashed
 from the source, the compiler, the flags and the CPU, so a machine builds
-it once (well under a second) and a shared home directory never hands one
+it once (half a second here) and a shared home directory never hands one
 CPU another's build. Processes that start together may each build it; each
 writes a file of its own and renames it into place.
 
@@ -40,7 +47,7 @@ from dspark_kernels import ops
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.c", "cpu_gemm.c"))
 FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 _ERRORS = {
     -1: "a write index is outside the KV cache",
@@ -85,14 +92,14 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str, target: Path) -> None:
-    """Compile ``SOURCE`` to ``target`` (for this CPU if the compiler takes -march=native)."""
+    """Compile ``SOURCES`` to ``target`` (for this CPU if the compiler takes -march=native)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
         errors = ""
         for march in (("-march=native",), ()):
-            run = subprocess.run([cc, *FLAGS, *march, str(SOURCE), "-o", tmp, "-lm"],
+            run = subprocess.run([cc, *FLAGS, *march, *map(str, SOURCES), "-o", tmp, "-lm"],
                                  capture_output=True, text=True, timeout=120)
             if run.returncode == 0:
                 os.replace(tmp, target)
@@ -117,9 +124,10 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, _cpu_id()]).encode()).hexdigest()
+        texts = [source.read_text() for source in SOURCES]
+        key = hashlib.sha256("\0".join([*texts, version, *FLAGS, _cpu_id()]).encode()).hexdigest()
         cache = Path(os.environ.get("DSPARK_CACHE_DIR") or Path.home() / ".cache" / "dspark_ray")
-        path = cache / f"cpu_attention-{key[:16]}.so"
+        path = cache / f"cpu_kernels-{key[:16]}.so"
         if not path.exists():
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
@@ -132,6 +140,8 @@ def library() -> ctypes.CDLL | None:
     lib.dspark_ring_attention_f32.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int, i64, i64, i64, i64, i64,
                                               i64, i64, i64, f32, p]
     lib.dspark_ring_attention_f32.restype = ctypes.c_int
+    lib.dspark_gemm_bf16w.argtypes = [p, i64, i64, p, i64, p, p]
+    lib.dspark_gemm_bf16w.restype = None
     return lib
 
 
@@ -249,3 +259,41 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                    slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, window: int) -> torch.Tensor:
     """The first layer of a ``RingStep`` (lengths grown): q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]."""
     return RingStep([k_cache], [v_cache], slots, positions, lengths, window)(0, q, k, v)
+
+
+# Outputs per packed panel (PANEL in csrc/cpu_gemm.c).
+GEMM_PANEL = 64
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether a float32 ``weight`` holds bfloat16 values only (a bfloat16 checkpoint loaded in float32),
+    so that its bfloat16 copy is the same numbers."""
+    return weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16).float(), weight)
+
+
+class Bf16Gemm:
+    """``x @ weight.T (+ bias)`` for a float32 ``weight`` [out, in] of bfloat16 values (``bf16_exact``),
+    from a bfloat16 copy packed in column panels (csrc/cpu_gemm.c), every product and sum in float32:
+    the float32 matmul, reading half the bytes. For a few rows, where a matmul streams its weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or not bf16_exact(weight) or weight.is_cuda:
+            raise CpuKernelError("Bf16Gemm takes a 2-D float32 CPU weight of bfloat16 values")
+        self.out_features, self.in_features = weight.shape
+        panels = -(-self.out_features // GEMM_PANEL)
+        padded = torch.zeros(panels * GEMM_PANEL, self.in_features, dtype=torch.bfloat16)
+        padded[:self.out_features] = weight.detach()
+        # [panels, in, PANEL]: each panel one contiguous stream of K rows of PANEL outputs.
+        self.packed = padded.view(panels, GEMM_PANEL, self.in_features).transpose(1, 2).contiguous()
+        self._call = library().dspark_gemm_bf16w
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise CpuKernelError(f"x must be float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features)
+        if bias is not None:
+            bias = bias.float().contiguous()
+        self._call(x2.data_ptr(), x2.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
+                   None if bias is None else bias.data_ptr(), y.data_ptr())
+        return y
