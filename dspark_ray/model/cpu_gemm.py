@@ -55,9 +55,11 @@ weight from the last-level cache for a few rows, so half the bytes is most of
 the gain: with cold weights (each read once in a round of 12 copies, 1 thread,
 us, float32 path / copy) q/k/v [512, 256] 31/26 at one row and 43/30 at five,
 gate/up [1536, 256] 59/47 and 94/60, the LM head [4096, 256] 149/110 and
-232/145; level at 16 rows, slower beyond. In process (shipped pair, k = 4, 1
-thread, interleaved) an engine step went 7.8 -> 6.4 ms at batch 1 and 11.3 ->
-10.2 at batch 4 (bench/HISTORY.md, twentieth session). The copies add half the
+232/145; about level at 16 rows (the LM head slower), slower beyond. In
+process (shipped pair, k = 4, 1 thread, interleaved) an engine step went 7.8
+-> 6.4 ms at batch 1 and 11.3 -> 10.2 at batch 4; at batch 16 the draft's
+passes (16 rows) on the copies made a step 20.9 -> 19.5 ms against a limit of
+12 rows (bench/HISTORY.md, twentieth session). The copies add half the
 float32 weights' bytes to the process.
 """
 
@@ -75,7 +77,7 @@ from dspark_kernels import cpu as cpu_kernels
 log = logging.getLogger(__name__)
 
 # Calls of at most this many rows run on the bfloat16 copy when a linear has one (module docstring).
-BF16_MAX_ROWS = 12
+BF16_MAX_ROWS = 16
 # The most bytes of bfloat16 copies a model gets (its float32 weights' half): small models, where a
 # decode step streams every weight for a few rows; a bigger one keeps its memory.
 BF16_COPY_MAX_BYTES = 1 << 30
