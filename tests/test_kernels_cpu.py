@@ -284,3 +284,42 @@ def test_linears_of_bf16_values_get_copies_used_for_their_small_calls(monkeypatc
     assert not cpu_gemm.bf16_copies([gemm.weight.to(torch.bfloat16)])  # bfloat16 weights need no copy
     with ops.use_backend("reference"):
         assert not cpu_gemm.bf16_copies([gemm.weight])
+
+
+def test_a_long_prompt_chunk_takes_the_torch_path_and_the_same_tokens_come_out():
+    """A step with a row feeding more than NATIVE_MAX_FED tokens attends through torch (its SDPA is
+    faster for a long causal prefill); decode steps after it take the kernel, and the greedy tokens are
+    the torch path's."""
+    from dspark_ray.engine import target_runner
+
+    config = EngineConfig(model=str(shipped(SHIPPED_TARGET, "model.safetensors")), capacity=2, max_context=256,
+                          dtype="float32")
+    prompt = "ROMEO:\n" + "But soft, what light through yonder window breaks? " * 12
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    native_steps = []
+    step = target_runner.TargetRunner._native_step
+
+    def counted(self, write, slots, positions):
+        out = step(self, write, slots, positions)
+        native_steps.append((len(positions), out is not None))
+        return out
+
+    def run() -> list[int]:
+        engine = build_local_engine(config)
+        engine.add_request(prompt, params)
+        tokens = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens += o.new_token_ids
+        return tokens
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(target_runner.TargetRunner, "_native_step", counted)
+    try:
+        with_kernels = run()
+    finally:
+        mp.undo()
+    assert len(build_local_engine(config).tokenizer.encode(prompt)) > target_runner.NATIVE_MAX_FED
+    assert native_steps and all(n <= target_runner.NATIVE_MAX_FED and used for n, used in native_steps)
+    with ops.use_backend("reference"):
+        assert with_kernels == run()
