@@ -92,7 +92,7 @@ class RingAttention:
     """Attention callable over the window cache: write this step's K/V, then attend.
 
     On CPU, in float32, one call of the C kernel per layer writes and attends
-    (``dspark_kernels.cpu.ring_attention``; the first layer of a pass also grows the slots'
+    (``dspark_kernels.cpu.RingStep``; the first layer of a pass also grows the slots'
     lengths). Otherwise, on the CPU path (the kernels' torch references) where each entry goes
     in the ring and what each query sees is worked out once per forward pass, at the first
     layer, and reused by the others: every layer writes the same positions (a draft pass is two
