@@ -251,8 +251,9 @@ def test_bf16_gemm_is_the_float32_matmul_and_each_row_its_own(out_features, in_f
 def test_linears_of_bf16_values_get_copies_used_for_their_small_calls(monkeypatch):
     """``pack_weights`` gives every linear a bfloat16 copy when all the model's float32 weights hold
     bfloat16 values (the shipped pair: a bfloat16 checkpoint) and the copies fit the cap; calls of up to
-    BF16_MAX_ROWS rows run on it (bit for bit its kernel; after the weight changes in place they still see
-    the copy), larger ones as before. Otherwise no copies."""
+    BF16_MAX_ROWS rows (on one torch thread, BF16_MAX_ROWS_ONE_THREAD) run on it (bit for bit its kernel;
+    after the weight changes in place they still see the copy), larger ones as before. Otherwise no
+    copies."""
     import torch.nn.functional as F
 
     from dspark_ray.model import cpu_gemm
@@ -266,12 +267,23 @@ def test_linears_of_bf16_values_get_copies_used_for_their_small_calls(monkeypatc
     large = torch.randn(cpu_gemm.BF16_MAX_ROWS + 1, gemm.weight.shape[1])
     torch.testing.assert_close(gemm(small), F.linear(small, gemm.weight), rtol=1e-5, atol=1e-4)
     assert torch.equal(gemm(small), cpu.Bf16Gemm(gemm.weight)(small))  # the copy's kernel, bit for bit
-    assert torch.equal(gemm(large), F.linear(large, gemm.weight))  # past it: torch's matmul, as before
+    most = torch.randn(cpu_gemm.BF16_MAX_ROWS_ONE_THREAD, gemm.weight.shape[1])
+    beyond = torch.randn(cpu_gemm.BF16_MAX_ROWS_ONE_THREAD + 1, gemm.weight.shape[1])
+    saved, threads = gemm.bf16.packed.clone(), torch.get_num_threads()
+    gemm.bf16.packed.zero_()  # a call that runs on the copy now gives zeros
+    try:
+        torch.set_num_threads(2)
+        assert not gemm(small).any() and gemm(large).all()  # past BF16_MAX_ROWS: as before
+        torch.set_num_threads(1)  # one thread: the copy up to BF16_MAX_ROWS_ONE_THREAD rows
+        assert not gemm(large).any() and not gemm(most).any() and gemm(beyond).all()
+    finally:
+        torch.set_num_threads(threads)
+        gemm.bf16.packed.copy_(saved)
     before = gemm(small)
     with torch.no_grad():
         gemm.weight.mul_(2)  # the parameter changes; the copy does not
     try:
-        assert torch.equal(gemm(small), before) and torch.equal(gemm(large), F.linear(large, gemm.weight))
+        assert torch.equal(gemm(small), before)
     finally:
         with torch.no_grad():
             gemm.weight.div_(2)

@@ -48,7 +48,9 @@ bytes. ``pack_weights`` makes one per linear (``dspark_kernels.cpu.Bf16Gemm``,
 column panels) when every weight of the model is such, the CPU kernels are
 built here, and the copies come to at most ``BF16_COPY_MAX_BYTES``
 (``DSPARK_BF16_COPIES=0``: none). Calls of at most ``BF16_MAX_ROWS`` rows run
-on it: products and sums in float32, so the float32 model up to the order of
+on it, and on one torch thread (a served worker's) calls of up to
+``BF16_MAX_ROWS_ONE_THREAD`` (its kernel is single-threaded; more than six rows
+widen each panel to float32 once and reuse it): products and sums in float32, so the float32 model up to the order of
 the sums (~1e-6, like another BLAS), each row computed alone (its bits do not
 depend on its batch). A decode or verify step of a small model streams every
 weight from the last-level cache for a few rows, so half the bytes is most of
@@ -59,7 +61,12 @@ gate/up [1536, 256] 59/47 and 94/60, the LM head [4096, 256] 149/110 and
 process (shipped pair, k = 4, 1 thread, interleaved) an engine step went 7.8
 -> 6.4 ms at batch 1 and 11.3 -> 10.2 at batch 4; at batch 16 the draft's
 passes (16 rows) on the copies made a step 20.9 -> 19.5 ms against a limit of
-12 rows (bench/HISTORY.md, twentieth session). The copies add half the
+12 rows. With each panel widened once for many rows the copy also wins with
+cold weights at 20 to 80 rows (us, float32 path / copy, 20 rows: 107/68,
+67/36, 206/163, 120/95, 480/409 for q/k/v, o, gate/up, down, LM head; 80
+rows: 224/191, 115/95, 524/477, 289/258, 1353/1275), and on one thread a step
+went 9.3 -> 8.2 ms at batch 4 and 17.5 -> 16.2 at 16 (bench/HISTORY.md,
+twentieth session). The copies add half the
 float32 weights' bytes to the process.
 """
 
@@ -76,8 +83,11 @@ from dspark_kernels import cpu as cpu_kernels
 
 log = logging.getLogger(__name__)
 
-# Calls of at most this many rows run on the bfloat16 copy when a linear has one (module docstring).
+# Calls of at most this many rows run on the bfloat16 copy when a linear has one (module docstring);
+# on one torch thread, calls of up to BF16_MAX_ROWS_ONE_THREAD (the copy's kernel is single-threaded,
+# and with more threads oneDNN's parallel one wins beyond a few rows).
 BF16_MAX_ROWS = 16
+BF16_MAX_ROWS_ONE_THREAD = 96
 # The most bytes of bfloat16 copies a model gets (its float32 weights' half): small models, where a
 # decode step streams every weight for a few rows; a bigger one keeps its memory.
 BF16_COPY_MAX_BYTES = 1 << 30
@@ -119,8 +129,10 @@ class PackedGemm:
         x: torch.Tensor,  # [..., in], the weight's dtype
         bias: torch.Tensor | None = None,  # [out]
     ) -> torch.Tensor:  # [..., out]
-        if self.bf16 is not None and x.numel() <= BF16_MAX_ROWS * x.shape[-1]:
-            return self.bf16(x, bias)
+        if self.bf16 is not None:
+            rows = x.numel() // x.shape[-1]
+            if rows <= BF16_MAX_ROWS or (rows <= BF16_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1):
+                return self.bf16(x, bias)
         if x.numel() <= self.unpacked_max_rows * x.shape[-1]:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")

@@ -140,7 +140,7 @@ def library() -> ctypes.CDLL | None:
     lib.dspark_ring_attention_f32.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int, i64, i64, i64, i64, i64,
                                               i64, i64, i64, f32, p]
     lib.dspark_ring_attention_f32.restype = ctypes.c_int
-    lib.dspark_gemm_bf16w.argtypes = [p, i64, i64, p, i64, p, p]
+    lib.dspark_gemm_bf16w.argtypes = [p, i64, i64, p, i64, p, p, p]
     lib.dspark_gemm_bf16w.restype = None
     return lib
 
@@ -286,6 +286,7 @@ class Bf16Gemm:
         # [panels, in, PANEL]: each panel one contiguous stream of K rows of PANEL outputs.
         self.packed = padded.view(panels, GEMM_PANEL, self.in_features).transpose(1, 2).contiguous()
         self._call = library().dspark_gemm_bf16w
+        self._scratch = torch.empty(self.in_features * GEMM_PANEL)  # one panel widened (calls of many rows)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
@@ -295,5 +296,5 @@ class Bf16Gemm:
         if bias is not None:
             bias = bias.float().contiguous()
         self._call(x2.data_ptr(), x2.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
-                   None if bias is None else bias.data_ptr(), y.data_ptr())
+                   None if bias is None else bias.data_ptr(), y.data_ptr(), self._scratch.data_ptr())
         return y

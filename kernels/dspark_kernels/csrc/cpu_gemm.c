@@ -34,15 +34,18 @@ static inline v16 widen(const uint16_t *p) {
     return out;
 }
 
-/* Rows m0..m0+r (r <= ROWS) of x [M, K] times one packed panel [K][PANEL] -> out[r][PANEL]. */
-#define PANEL_ROWS(R)                                                                                \
-    static void panel_rows_##R(const float *x, int64_t K, const uint16_t *panel, v16 out[][4]) {    \
+/* Rows m0..m0+r (r <= ROWS) of x [M, K] times one panel [K][PANEL] -> out[r][PANEL]: from the
+ * packed bfloat16 panel (panel_rows_R), or from the panel widened once into float32 (wide_rows_R, when
+ * several passes of ROWS rows read it: the widening is then done once, not once a pass). The same
+ * multiply-adds in the same order either way, so a row's result does not depend on which ran. */
+#define PANEL_ROWS(NAME, R, T, LOAD)                                                                 \
+    static void NAME(const float *x, int64_t K, const T *panel, v16 out[][4]) {                      \
         v16 acc[R][4];                                                                               \
         for (int r = 0; r < R; ++r)                                                                  \
             for (int c = 0; c < 4; ++c) acc[r][c] = (v16){0};                                        \
         for (int64_t k = 0; k < K; ++k) {                                                            \
-            const uint16_t *w = panel + k * PANEL;                                                   \
-            const v16 w0 = widen(w), w1 = widen(w + 16), w2 = widen(w + 32), w3 = widen(w + 48);     \
+            const T *w = panel + k * PANEL;                                                          \
+            const v16 w0 = LOAD(w), w1 = LOAD(w + 16), w2 = LOAD(w + 32), w3 = LOAD(w + 48);         \
             for (int r = 0; r < R; ++r) {                                                            \
                 const float xr = x[r * K + k];                                                       \
                 acc[r][0] += xr * w0;                                                                \
@@ -55,28 +58,46 @@ static inline v16 widen(const uint16_t *p) {
             for (int c = 0; c < 4; ++c) out[r][c] = acc[r][c];                                       \
     }
 
-PANEL_ROWS(1)
-PANEL_ROWS(2)
-PANEL_ROWS(3)
-PANEL_ROWS(4)
-PANEL_ROWS(5)
-PANEL_ROWS(6)
+static inline v16 load_f32(const float *p) { return *(const v16 *)p; }
+
+#define BOTH(R)                                                                                      \
+    PANEL_ROWS(panel_rows_##R, R, uint16_t, widen)                                                   \
+    PANEL_ROWS(wide_rows_##R, R, float, load_f32)
+BOTH(1)
+BOTH(2)
+BOTH(3)
+BOTH(4)
+BOTH(5)
+BOTH(6)
 
 typedef void (*PanelRows)(const float *, int64_t, const uint16_t *, v16[][4]);
-static const PanelRows panel_rows[ROWS + 1] = {0,           panel_rows_1, panel_rows_2, panel_rows_3,
+typedef void (*WideRows)(const float *, int64_t, const float *, v16[][4]);
+static const PanelRows panel_rows[ROWS + 1] = {0,            panel_rows_1, panel_rows_2, panel_rows_3,
                                                 panel_rows_4, panel_rows_5, panel_rows_6};
+static const WideRows wide_rows[ROWS + 1] = {0,           wide_rows_1, wide_rows_2, wide_rows_3,
+                                             wide_rows_4, wide_rows_5, wide_rows_6};
 
-/* y [M, N] = x [M, K] @ W^T (+ bias [N] if not NULL), W packed as above. */
+/* y [M, N] = x [M, K] @ W^T (+ bias [N] if not NULL), W packed as above. `scratch` (K * PANEL floats,
+ * or NULL) holds a panel widened to float32 when more than ROWS rows pass over it. */
 void dspark_gemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-                       const float *bias, float *y) {
+                       const float *bias, float *y, float *scratch) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     v16 out[ROWS][4];
     for (int64_t p = 0; p < panels; ++p) {
         const uint16_t *panel = packed + p * K * PANEL;
         const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+        const int wide = M > ROWS && scratch != NULL;
+        if (wide)
+            for (int64_t i = 0; i < K * PANEL; i += 16) {
+                const v16 w = widen(panel + i);
+                memcpy(scratch + i, &w, sizeof w);
+            }
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            panel_rows[rows](x + m0 * K, K, panel, out);
+            if (wide)
+                wide_rows[rows](x + m0 * K, K, scratch, out);
+            else
+                panel_rows[rows](x + m0 * K, K, panel, out);
             for (int r = 0; r < rows; ++r) {
                 float *yr = y + (m0 + r) * N + n0;
                 const float *o = (const float *)out[r];
