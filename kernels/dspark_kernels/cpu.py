@@ -261,8 +261,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     return RingStep([k_cache], [v_cache], slots, positions, lengths, window)(0, q, k, v)
 
 
-# Outputs per packed panel (PANEL in csrc/cpu_gemm.c).
-GEMM_PANEL = 64
+# Outputs per packed panel, and rows of x a pass over a panel (PANEL and ROWS in csrc/cpu_gemm.c).
+GEMM_PANEL, GEMM_ROWS = 64, 6
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -286,7 +286,6 @@ class Bf16Gemm:
         # [panels, in, PANEL]: each panel one contiguous stream of K rows of PANEL outputs.
         self.packed = padded.view(panels, GEMM_PANEL, self.in_features).transpose(1, 2).contiguous()
         self._call = library().dspark_gemm_bf16w
-        self._scratch = torch.empty(self.in_features * GEMM_PANEL)  # one panel widened (calls of many rows)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
@@ -295,6 +294,10 @@ class Bf16Gemm:
         y = torch.empty(*x.shape[:-1], self.out_features)
         if bias is not None:
             bias = bias.float().contiguous()
+        # One panel widened to float32 for a call of more rows than a pass takes (csrc/cpu_gemm.c ROWS);
+        # a buffer per call, so that threads calling one weight at once never share it.
+        scratch = torch.empty(self.in_features * GEMM_PANEL) if x2.shape[0] > GEMM_ROWS else None
         self._call(x2.data_ptr(), x2.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
-                   None if bias is None else bias.data_ptr(), y.data_ptr(), self._scratch.data_ptr())
+                   None if bias is None else bias.data_ptr(), y.data_ptr(),
+                   None if scratch is None else scratch.data_ptr())
         return y
