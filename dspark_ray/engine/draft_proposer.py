@@ -108,11 +108,10 @@ class RingAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.cache
         scale = q.shape[-1] ** -0.5
-        if self._native is None:
-            self._native = self.planned and cpu_kernels.takes(q, k, v, c.k[layer])
-            if self._native:
-                slots, positions = c.checked(self.slots, self.positions)
-                self._native = cpu_kernels.RingStep(c.k, c.v, slots, positions, c.length, c.window)
+        if self._native is None:  # the pass's first layer
+            native = self.planned and cpu_kernels.takes(q, k, v, c.k[layer])
+            self._native = native and cpu_kernels.RingStep(c.k, c.v, *c.checked(self.slots, self.positions),
+                                                           c.length, c.window)
         if self._native:
             return self._native(layer, q, k, v)
         if not self.planned:

@@ -64,8 +64,8 @@ KEY_BUCKET = 64
 PREFIX_BLOCK = 16
 CUDA_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # True: on CUDA the target attends with the Triton paged kernel (dspark_kernels.paged_attention),
-# which reads K/V through the request-to-token table in place; False: gather + SDPA, the path CPUs
-# always take. Off until a GPU run has checked the compiled kernel against its reference (issue 20:
+# which reads K/V through the request-to-token table in place; False: gather + SDPA (on CPU a float32
+# step of short rows takes the C kernel instead, ``_native_step``). Off until a GPU run has checked the compiled kernel against its reference (issue 20:
 # it is tested under Triton's interpreter only); bench/gpu_check.sh runs both.
 PAGED_KERNEL = False
 

@@ -222,11 +222,11 @@ class RingStep:
         if any(not (c.is_contiguous() and c.shape == cache.shape and c.dtype == torch.float32)
                for c in (*k_cache, *v_cache)):
             raise CpuKernelError("the window caches must be contiguous float32 [S, ring, Hkv, D], alike")
+        if not lengths.is_contiguous():
+            raise CpuKernelError("lengths must be contiguous (it is grown in place)")
         self.k_cache, self.v_cache = k_cache, v_cache
         self._held = [_int64(slots, (b,), "slots"), _int64(positions, (b, t), "positions"),
                       _int64(lengths, (cache.shape[0],), "lengths")]
-        if not lengths.is_contiguous():
-            raise CpuKernelError("lengths must be contiguous (it is grown in place)")
         slots_p, positions_p, lengths_p = (x.data_ptr() for x in self._held)
         self._pass = (slots_p, positions_p, lengths_p)
         self._dims = (b, t, cache.shape[0], cache.shape[1], window)
