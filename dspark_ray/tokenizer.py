@@ -39,6 +39,7 @@ import jinja2.sandbox
 import jinja2.utils
 from tokenizers import Tokenizer as BackendTokenizer
 
+from dspark_ray.model.checkpoint import is_gguf, locate
 from dspark_ray.model.errors import CheckpointFileMissing
 
 log = logging.getLogger(__name__)
@@ -104,15 +105,19 @@ class Tokenizer:
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer of the checkpoint folder at ``path``.
+        """Load the tokenizer of the checkpoint folder at ``path``, or of a GGUF file (built from its
+        metadata: ``dspark_ray.tokenizer_gguf``).
 
         Raises:
             CheckpointFileMissing: no folder, or no tokenizer.json in it.
+            GgufError: a GGUF file without a tokenizer, or with one not supported here.
             TokenizerError: a file is malformed, a special token or EOS id is
                 unknown, or no EOS is given anywhere.
             ChatTemplateError: the chat template does not parse.
         """
-        path = Path(path)
+        path = locate(path)
+        if is_gguf(path):
+            return _from_gguf(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise CheckpointFileMissing(
@@ -273,6 +278,17 @@ def check_compatible(target: Tokenizer, draft: Tokenizer) -> None:
             f"draft tokenizer {draft.name} is not the target's ({target.name}): " + "; ".join(problems)
             + ". A draft must share the target's tokenizer; pick a draft from the same model family."
         )
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    from dspark_ray.model.gguf import open_checkpoint
+    from dspark_ray.tokenizer_gguf import build_backend
+
+    spec = open_checkpoint(path).tokenizer_spec()
+    special = {key: spec.tokens[i] for key, i in (("bos_token", spec.bos_id), ("eos_token", spec.eos_ids[0]),
+                                                  ("unk_token", spec.unk_id), ("pad_token", spec.pad_id))
+               if i is not None}
+    return Tokenizer(build_backend(spec, str(path)), special, spec.eos_ids, spec.chat_template, name=str(path))
 
 
 def _read_json(file: Path) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspark_ray.model.checkpoint import locate
+
 
 class ConfigError(ValueError):
     """An engine setting is out of range; the message says how to fix it."""
@@ -11,8 +13,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # local checkpoint folder of the target
-    draft: str | None = None  # local checkpoint folder of the draft; None = no speculation
+    # The target: a checkpoint folder, a .gguf file or package:<distribution>/<file>
+    # (model/checkpoint.py); kept as the local path it names.
+    model: str
+    draft: str | None = None  # the draft, named the same ways; None = no speculation
     num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
     # Choose each step's k from acceptance and measured costs (engine/adaptive.py); False: always k.
     adaptive_speculation: bool = True
@@ -58,6 +62,9 @@ class EngineConfig:
     compile_model: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model", str(locate(self.model)))
+        if self.draft is not None:
+            object.__setattr__(self, "draft", str(locate(self.draft)))
         if self.compile_model and self.device != "cpu":
             raise ConfigError(f"compile_model is for device cpu (CUDA runs CUDA graphs), got device {self.device!r}")
         if self.speculation_max_batch is not None and self.speculation_max_batch < 1:

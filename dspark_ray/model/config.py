@@ -6,12 +6,11 @@ follow the Llama family's config.json where one exists.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_ray.model.errors import CheckpointFileMissing, ModelLoadError, UnsupportedArchitecture
+from dspark_ray.model.errors import ModelLoadError, UnsupportedArchitecture
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -235,20 +234,16 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
-        cfg_file = Path(path) / "config.json"
-        if not cfg_file.is_file():
-            raise CheckpointFileMissing(
-                f"{cfg_file} not found: point the model path at a Hugging Face checkpoint "
-                "folder containing config.json and *.safetensors"
-            )
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+        """The config of a checkpoint folder (its config.json) or a GGUF file (its metadata)."""
+        from dspark_ray.model.checkpoint import is_gguf, locate, read_config
+
+        path = locate(path)
+        raw = read_config(path)
         try:
             return cls.from_dict(raw)
         except KeyError as exc:
-            raise ModelLoadError(f"{cfg_file} lacks the required key {exc.args[0]!r}") from exc
+            source = path if is_gguf(path) or not path.is_dir() else path / "config.json"
+            raise ModelLoadError(f"{source} lacks the required key {exc.args[0]!r}") from exc
 
 
 def _check_activation(raw: dict) -> None:

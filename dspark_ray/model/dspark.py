@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from dspark_ray.model.checkpoint import locate, read_tensors
 from dspark_ray.model.config import ModelConfig
 from dspark_ray.model.errors import CheckpointFileMissing, ModelLoadError, TensorMissing, TensorShapeMismatch
 from dspark_ray.model.llama import CausalLM, DecoderLayer, Linear, RMSNorm, apply_rope
@@ -78,8 +79,8 @@ def is_dspark_config(raw: dict) -> bool:
 
 def is_dspark_checkpoint(path: str | Path) -> bool:
     """Whether the checkpoint folder at ``path`` holds a DSpark draft (by its config.json)."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
+    cfg_file = locate(path) / "config.json"
+    if not cfg_file.is_file():  # also a GGUF file: never a DSpark draft
         return False
     try:
         return is_dspark_config(json.loads(cfg_file.read_text()))
@@ -295,14 +296,12 @@ class TargetHeads:
              device: str | torch.device = "cpu") -> TargetHeads:
         """Only the config, embedding and LM head of the target checkpoint at ``path`` (a draft
         process needs these, not the target's layers)."""
-        path = Path(path)
+        path = locate(path)
         cfg = ModelConfig.from_path(path)
         dtype = resolve_dtype(dtype, cfg)
-        names = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-        for file in weight_files(path):
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in names.keys() & set(f.keys()):
-                    names[name] = f.get_tensor(name).to(dtype)
+        names = {name: t.to(device, dtype) for name, t in
+                 read_tensors(path, {"model.embed_tokens.weight", "lm_head.weight"}).items()}
+        names.setdefault("lm_head.weight", None)
         embed = names["model.embed_tokens.weight"]
         if embed is None:
             raise TensorMissing(f"target checkpoint at {path} lacks 'model.embed_tokens.weight'")

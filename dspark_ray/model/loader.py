@@ -1,7 +1,9 @@
-"""Loading a local Hugging Face checkpoint into ``CausalLM``.
+"""Loading a local checkpoint into ``CausalLM``: a Hugging Face folder or a GGUF file.
 
-Reads ``config.json``, then either ``model.safetensors`` or the shards listed
-in ``model.safetensors.index.json``. The module is built on the meta device
+A folder: reads ``config.json``, then either ``model.safetensors`` or the shards
+listed in ``model.safetensors.index.json``. A GGUF file: its metadata gives the
+config and its tensors are dequantized as they are copied, each rank only its
+slice (``dspark_ray.model.gguf``). The module is built on the meta device
 and materialised directly in the requested dtype and device, so no random
 initialisation is ever computed for weights that are about to be overwritten.
 Block-wise FP8 checkpoints (config.json's ``quantization_config``) are
@@ -13,12 +15,14 @@ Every failure is a named ``ModelLoadError`` that says what to fix.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
+from dspark_ray.model.checkpoint import is_gguf, locate, tensor_handles
 from dspark_ray.model.config import ModelConfig
 from dspark_ray.model.errors import (
     CheckpointFileMissing,
@@ -110,7 +114,8 @@ def load(
     """Load the checkpoint folder at ``path`` as an eval-mode ``CausalLM``.
 
     Args:
-        path: a local folder with config.json and safetensors weights.
+        path: a local folder with config.json and safetensors weights, a .gguf file, or
+            ``package:<distribution>/<file>`` (``dspark_ray.model.checkpoint.locate``).
         dtype: 'float32', 'bfloat16', 'float16', a torch dtype, or 'auto'
             (the checkpoint's torch_dtype).
         device: where the weights are placed ('cpu', 'cuda', 'cuda:1', ...).
@@ -118,14 +123,15 @@ def load(
         pack: on CPU, run the linears on oneDNN-prepacked weights (``cpu_gemm``); False keeps
             torch's own matmul.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointFileMissing(f"model path {path} is not a folder; give a local checkpoint folder")
+    path = locate(path)
+    gguf = is_gguf(path)
+    if not gguf and not path.is_dir():
+        raise CheckpointFileMissing(f"model path {path} is not a folder or a .gguf file; give a local checkpoint")
     cfg = ModelConfig.from_path(path)
     dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     check_device_dtype(device, dtype)
-    files = weight_files(path)
+    files = [] if gguf else weight_files(path)
 
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -133,14 +139,14 @@ def load(
             shard(model, tp)
     model = model.to(dtype)
     _keep_routers_float32(model)
-    fp8 = Fp8Checkpoint.open(path, files, model)  # None unless config.json has a quantization_config
+    fp8 = None if gguf else Fp8Checkpoint.open(path, files, model)  # None unless config.json has a quantization_config
     if fp8 is not None:
         fp8.keep_quantized(model, device, dtype)  # CUDA: FP8 weights and scaled matmuls where they run
     model = model.to_empty(device=device)
     # Rotary frequencies stay float32 whatever the weights' dtype: in bfloat16
     # they carry 3 significant digits and angles drift visibly by position ~100.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    _fill_parameters(model, files, path, fp8)
+    _fill_parameters(model, tensor_handles(path), path, fp8)
     model = fuse_projections(model.eval().requires_grad_(False))
     return pack_weights(model) if pack else model
 
@@ -154,29 +160,26 @@ def _keep_routers_float32(model: CausalLM) -> None:
             module.float()
 
 
-def _fill_parameters(model: CausalLM, files: list[Path], path: Path, fp8: Fp8Checkpoint | None = None) -> None:
+def _fill_parameters(model: CausalLM, tensors: Iterable[tuple[str, Any]], path: Path,
+                     fp8: Fp8Checkpoint | None = None) -> None:
+    """Copy every checkpoint tensor (``tensors``: name and a slice handle) into its parameter."""
     params = dict(model.named_parameters())
     pending = set(params)
-    total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
-              disable=None if total > 256 * 2**20 else True) as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    tensor = f.get_slice(name)
-                    shape = tuple(tensor.get_shape())
-                    bar.update(file.stat().st_size // max(1, len(f.keys())))
-                    if fp8 is not None and fp8.is_companion(name):
-                        continue  # a scale, read with its weight
-                    if name not in params:
-                        if _ignorable(model, name):
-                            continue
-                        raise ModelLoadError(
-                            f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
-                            "check that config.json matches the weights"
-                        )
-                    _copy_param(model, name, params[name], tensor, shape, fp8)
-                    pending.discard(name)
+    with tqdm(total=len(params), unit="tensor", desc=f"loading {path.name}",
+              disable=None if model.config.num_layers * model.config.hidden_size > 2**17 else True) as bar:
+        for name, tensor in tensors:
+            if fp8 is not None and fp8.is_companion(name):
+                continue  # a scale, read with its weight
+            if name not in params:
+                if _ignorable(model, name):
+                    continue
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
+                    "check that config.json matches the weights"
+                )
+            _copy_param(model, name, params[name], tensor, tuple(tensor.get_shape()), fp8)
+            pending.discard(name)
+            bar.update(1)
     if pending:
         names = sorted(pending)
         raise TensorMissing(

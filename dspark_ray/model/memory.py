@@ -39,7 +39,6 @@ worker). GB in messages are 10**9 bytes. No torch here: plain arithmetic.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -385,15 +384,12 @@ def architecture(raw: dict) -> Architecture:
 
 
 def read_config(path: str | Path) -> dict:
-    """config.json of a checkpoint folder, or a config.json file itself."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        return json.loads(file.read_text())
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"{file} not found: give a checkpoint folder with config.json, or the file") from exc
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
+    """config.json of a checkpoint folder, or a config.json file itself, or the config a GGUF file's
+    metadata implies (``dspark_ray.model.checkpoint``)."""
+    from dspark_ray.model.checkpoint import locate
+    from dspark_ray.model.checkpoint import read_config as read
+
+    return read(locate(path))
 
 
 def checkpoint_name(path: str | Path) -> str:

