@@ -20,6 +20,14 @@ share the port and the kernel spreads new connections over them, a
 restarted replica binds it again at once, and during a redeploy the old
 replica stops accepting before it drains. Serve still manages the replicas
 (start, health checks, restarts, handles); only the HTTP hop moves.
+
+A response that starts before its request body has been read to the end (a
+413 decided from the declared Content-Length, a 401 for a missing API key)
+ends with a lingering close (``lingering``): uvicorn would otherwise close
+the connection (``Connection: close``) while the client is still sending,
+and a socket closed with unread data in its receive buffer is reset, not
+shut down, so a client that sends its whole body before it reads (Python's
+http.client: urllib, requests) sees a broken pipe instead of the answer.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import time
 
 import uvicorn
 
-from dspark_ray.serve.balance import LoadBoard, balanced
+from dspark_ray.serve.balance import CLOSE, LoadBoard, balanced
 from dspark_ray.serve.metrics import HTTPMetrics
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,11 @@ log = logging.getLogger(__name__)
 
 # The routes whose requests count toward a replica's load (dspark_ray/serve/balance.py).
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+# A lingering close reads and discards at most this much of a refused request's body, for at
+# most this long, before it closes the connection (nginx's lingering_time, bounded in bytes too).
+LINGER_BYTES = 8 * 2**20
+LINGER_S = 2.0
 
 # Every /health answer of a replica names its application, so that a replica about to share a
 # port can tell whether the replicas already there are its own (shared_socket's probe).
@@ -107,6 +120,82 @@ def shared_socket(host: str, port: int, app: str | None = None) -> socket.socket
     return sock
 
 
+def _has_body(scope) -> bool:
+    """Whether an HTTP request's headers announce a body (a length other than 0, or chunks)."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+def _expects_continue(scope) -> bool:
+    return any(name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"])
+
+
+async def _discard_body(receive, max_bytes: int, max_s: float) -> bool:
+    """Read and drop the rest of a request body: True if it ended within ``max_bytes`` and ``max_s``."""
+    loop = asyncio.get_running_loop()
+    deadline, read = loop.time() + max_s, 0
+    while read <= max_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+            return False
+        if message["type"] == "http.disconnect":
+            return False
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return False
+
+
+def lingering(app, max_bytes: int = LINGER_BYTES, max_s: float = LINGER_S):
+    """``app`` (ASGI) with a lingering close after each response that starts before its request
+    body was read to the end.
+
+    NOTE: uvicorn (httptools and h11 alike) closes a ``Connection: close`` connection as soon as its
+    response ends, and a keep-alive one goes on discarding the body with no time limit. A socket
+    closed with unread bytes in its receive buffer sends a reset (RFC 2525, 2.17): the client,
+    still sending its body, gets a broken pipe or a reset and loses the response it has not read.
+    So such a response gets ``Connection: close`` and its last body message is held back; once the
+    app returns, the rest of the request body is read and dropped, up to ``max_bytes`` and
+    ``max_s`` (a client that stalls or sends without end is cut off there), and then the held end
+    of the response is sent, on which uvicorn closes the connection with nothing left unread. A
+    client that sent ``Expect: 100-continue`` and was never asked for its body is closed at once:
+    reading now would make uvicorn send its ``100 Continue`` after the final response."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        read_to_end, asked, held = not _has_body(scope), False, False
+
+        async def receive_counted():
+            nonlocal read_to_end, asked
+            asked = True
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                read_to_end = True
+            return message
+
+        async def send_lingering(message):
+            nonlocal held
+            if message["type"] == "http.response.start" and not read_to_end:
+                headers = list(message.get("headers", ()))
+                message = {**message, "headers": headers if CLOSE in headers else [*headers, CLOSE]}
+                held = True
+            elif held and message["type"] == "http.response.body" and not message.get("more_body", False):
+                message = {**message, "more_body": True}
+            await send(message)
+
+        await app(scope, receive_counted, send_lingering)
+        if held:
+            if (asked or not _expects_continue(scope)) and not await _discard_body(receive, max_bytes, max_s):
+                log.debug("closing %s with its request body unread past the lingering bound", scope.get("path"))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return wrapped
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -125,6 +214,8 @@ class ReplicaHTTP:
     replicas), then waits up to ``grace_s`` for open responses to finish.
     With ``balance``, the replicas sharing the port even out their open
     generation requests by asking clients to reconnect (``balance.py``).
+    A response sent before its request body was read to the end closes
+    its connection with a lingering close (``lingering``).
     """
 
     def __init__(self, app, host: str, port: int, metrics: HTTPMetrics | None = None,
@@ -138,7 +229,7 @@ class ReplicaHTTP:
             self._sock.close()
             raise
         asgi = balanced(app, self.board, GENERATION_ROUTES) if self.board is not None else app
-        asgi = metrics.wrap(asgi) if metrics is not None else asgi
+        asgi = lingering(metrics.wrap(asgi) if metrics is not None else asgi)
         self._server = uvicorn.Server(uvicorn.Config(
             asgi, log_config=None, access_log=False, lifespan="off", http="auto", ws="none",
             timeout_keep_alive=30, timeout_graceful_shutdown=None))
