@@ -178,3 +178,34 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "Q8_0", embed_
     w.write_tensors_to_file()
     w.close()
     return weights
+
+
+def write_truncated(source: Path, dest: Path, layers: int) -> Path:
+    """``source`` with only its first ``layers`` decoder layers: every other tensor and every metadata
+    key (the tokenizer included) copied as stored, the block count changed. From SmolLM2 this makes a
+    real draft of the same family, tokenizer and embeddings, which agrees with the full model often
+    but not always (the rejection path is exercised on real weights)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dest), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = layers if key == f"{arch}.block_count" else field.contents()
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, field.types[0], sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(t.name, np.array(t.data))
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
