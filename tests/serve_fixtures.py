@@ -29,7 +29,7 @@ from conftest import REPO, SHIPPED_DRAFT, SHIPPED_TARGET, save_tiny_checkpoint
 from dspark_ray.ops.processes import free_port, port_is_free, stop_process, stop_serve_run
 
 VENV_BIN = Path(sys.executable).parent
-DEPLOY_YAML = REPO / "deploy" / "dspark.yaml"
+DEPLOY_YAML = REPO / "deploy" / "shakespeare.yaml"  # the shipped pair's own config
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 SERVE_NAMESPACE = "serve"  # where Serve replicas (and so the slot manager they start) live
@@ -167,7 +167,7 @@ def set_http_port(config: dict, port: int) -> None:
 
 
 def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> tuple[Path, int]:
-    """deploy/dspark.yaml itself on the shipped pair; otherwise a copy pointing at the tiny pair.
+    """deploy/shakespeare.yaml itself on the shipped pair; otherwise a copy pointing at the tiny pair.
 
     Only the checkpoint paths change (and the port, should 8000 be taken by
     someone else's server on this shared machine), and the ``args`` given
@@ -189,7 +189,7 @@ def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> t
     if args or not port_is_free(port):
         port = free_port()
         set_http_port(config, port)
-    path = folder / "dspark.yaml"
+    path = folder / DEPLOY_YAML.name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, port
 
@@ -351,7 +351,7 @@ def slot_snapshot(app_name: str):
 
 @pytest.fixture(scope="module")
 def served(serve_models, tmp_path_factory) -> ServeRun:
-    """``serve run deploy/dspark.yaml`` (or its tiny-pair copy) for one test module."""
+    """``serve run deploy/shakespeare.yaml`` (or its tiny-pair copy) for one test module."""
     import ray
 
     assert not ray.is_initialized(), "another test left Ray initialised in this process"

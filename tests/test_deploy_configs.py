@@ -18,11 +18,22 @@ def app_args(name: str) -> dict:
     return app["args"]
 
 
-@pytest.mark.parametrize("name, tp", [("dspark.yaml", 1), ("dspark-tp2.yaml", 2)])
+@pytest.mark.parametrize("name, tp", [("shakespeare.yaml", 1), ("dspark-tp2.yaml", 2)])
 def test_local_configs_validate_with_the_shipped_pair(name, tp):
     config = AppConfig(**app_args(name))
     assert config.tensor_parallel_size == tp
     assert config.device == "cpu" and config.model_name == "shakespeare-target"
+
+
+def test_the_embedded_default_serves_smollm2_from_its_installed_gguf():
+    from dspark_ray.model.checkpoint import DEFAULT_MODEL, locate
+
+    args = app_args("dspark.yaml")
+    assert args["model"] == DEFAULT_MODEL
+    config = AppConfig(**args)
+    assert config.model == str(locate(DEFAULT_MODEL)) and config.model.endswith(".gguf")
+    assert config.model_name == "smollm2-135m-instruct" and config.device == "cpu"
+    assert config.max_context == 2048 and config.memory_plan().fits
 
 
 def test_local_configs_differ_only_in_tensor_parallelism_replicas_and_binding():
@@ -30,7 +41,7 @@ def test_local_configs_differ_only_in_tensor_parallelism_replicas_and_binding():
     draft in a worker of its own, eager (compile_model is tensor parallel 1 only). The default is two
     replicas, each one process with the draft inside it, on one torch thread bound to a core of its
     own (bind_cores), no OpenMP settings, its models compiled."""
-    one, two = app_args("dspark.yaml"), app_args("dspark-tp2.yaml")
+    one, two = app_args("shakespeare.yaml"), app_args("dspark-tp2.yaml")
     assert {k for k in one if one[k] != two.get(k)} == {"tensor_parallel_size", "num_replicas", "bind_cores",
                                                        "bind_replica", "draft_placement", "compile_model"}
     assert set(one) - set(two) == {"draft_placement", "bind_cores", "bind_replica", "compile_model"}
@@ -52,7 +63,7 @@ def test_two_box_config_uses_only_known_fields():
 
 def test_step_token_budget_reaches_the_engine():
     """max_num_batched_tokens is an app setting (the two-box config raises it to its context)."""
-    args = app_args("dspark.yaml")
+    args = app_args("shakespeare.yaml")
     assert AppConfig(**args).engine_config().max_num_batched_tokens == 4096
     assert AppConfig(**{**args, "max_num_batched_tokens": 8192}).engine_config().max_num_batched_tokens == 8192
     assert app_args("dspark-2x-spark.yaml")["max_num_batched_tokens"] == app_args("dspark-2x-spark.yaml")["max_context"]
@@ -61,13 +72,13 @@ def test_step_token_budget_reaches_the_engine():
 
 
 def test_every_config_shows_its_replica_count():
-    for name, replicas in (("dspark.yaml", 2), ("dspark-tp2.yaml", 1), ("dspark-2x-spark.yaml", 1)):
+    for name, replicas in (("shakespeare.yaml", 2), ("dspark-tp2.yaml", 1), ("dspark-2x-spark.yaml", 1)):
         assert app_args(name)["num_replicas"] == replicas, name
-    config = AppConfig(**app_args("dspark.yaml"))
+    config = AppConfig(**app_args("shakespeare.yaml"))
     assert config.slots_per_replica == config.capacity // 2 == config.max_num_seqs  # each replica: half
 
 
-@pytest.mark.parametrize("name", ["dspark.yaml", "dspark-tp2.yaml"])
+@pytest.mark.parametrize("name", ["shakespeare.yaml", "dspark-tp2.yaml"])
 def test_the_commented_autoscaling_example_is_valid_in_place_of_num_replicas(name):
     (line,) = [ln for ln in (DEPLOY / name).read_text().splitlines() if ln.strip().startswith("# autoscaling_config:")]
     example = yaml.safe_load(line.strip().removeprefix("#"))
@@ -81,7 +92,7 @@ def test_the_commented_autoscaling_example_is_valid_in_place_of_num_replicas(nam
 def test_bind_cores_refuses_an_openmp_binding_beside_it():
     """bind_cores binds each worker's torch thread to CPUs of its own; OpenMP's binding variables in
     worker_env_vars would bind the threads again, by place, ignoring the claims: refused, naming both."""
-    args = app_args("dspark.yaml")
+    args = app_args("shakespeare.yaml")
     assert AppConfig(**args).bind_cores
     for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"):
         with pytest.raises(ValueError, match=f"bind_cores and worker_env_vars {name}"):

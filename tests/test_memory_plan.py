@@ -308,7 +308,7 @@ def deploy_args(name: str) -> dict:
     return dict(app["args"])
 
 
-@pytest.mark.parametrize("name", ["dspark.yaml", "dspark-tp2.yaml"])
+@pytest.mark.parametrize("name", ["shakespeare.yaml", "dspark-tp2.yaml"])
 def test_the_shipped_cpu_deployment_fits_this_host(name):
     from dspark_ray.serve.config import AppConfig
 
@@ -333,7 +333,7 @@ def test_a_dspark_draft_is_planned_as_it_loads():
     arch = architecture(json.loads((path / "config.json").read_text()))
     assert arch.params == sum(p.numel() for p in draft.parameters()) + draft.embed.numel()
     cfg = DSparkConfig.from_path(path)
-    config = AppConfig(**{**deploy_args("dspark.yaml"), "draft": str(path), "capacity": 8, "draft_window": 5})
+    config = AppConfig(**{**deploy_args("shakespeare.yaml"), "draft": str(path), "capacity": 8, "draft_window": 5})
     result = config.memory_plan()
     assert result.verdict == FITS
     attn = draft.layers[0].self_attn
@@ -386,7 +386,7 @@ def test_memory_utilization_is_validated_and_reaches_the_engine():
     from dspark_ray.engine.config import ConfigError, EngineConfig
     from dspark_ray.serve.config import AppConfig
 
-    args = deploy_args("dspark.yaml")
+    args = deploy_args("shakespeare.yaml")
     for bad in (0, -0.1, 1.01):
         with pytest.raises(ValidationError, match="memory_utilization"):
             AppConfig(**args, memory_utilization=bad)

@@ -46,8 +46,9 @@ def test_the_readme_stop_commands_stop_the_server(tmp_path):
     config = yaml.safe_load((REPO / "deploy" / "dspark.yaml").read_text())
     args = config["applications"][0]["args"]
     args["http_port"] = port
-    for key in ("model", "draft"):
-        args[key] = str(REPO / args[key])
+    for key in ("model", "draft"):  # relative paths made absolute; package: names and null stay
+        if args.get(key) and not args[key].startswith("package:"):
+            args[key] = str(REPO / args[key])
     (tmp_path / "deploy").mkdir()
     (tmp_path / "deploy" / "dspark.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
