@@ -166,8 +166,10 @@ def set_http_port(config: dict, port: int) -> None:
         config["http_options"]["port"] = port
 
 
-def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> tuple[Path, int]:
-    """deploy/shakespeare.yaml itself on the shipped pair; otherwise a copy pointing at the tiny pair.
+def serve_yaml(models: ServeModels | None, folder: Path, args: dict | None = None,
+               source: Path = DEPLOY_YAML) -> tuple[Path, int]:
+    """``source`` (deploy/shakespeare.yaml) itself on the shipped pair; otherwise a copy pointing at the
+    tiny pair. ``models`` None: the YAML's own model (deploy/dspark.yaml's real one).
 
     Only the checkpoint paths change (and the port, should 8000 be taken by
     someone else's server on this shared machine), and the ``args`` given
@@ -177,25 +179,25 @@ def serve_yaml(models: ServeModels, folder: Path, args: dict | None = None) -> t
     """
     import yaml
 
-    text = DEPLOY_YAML.read_text()
-    config = yaml.safe_load(text)
+    config = yaml.safe_load(source.read_text())
     port = http_port(config)
-    if models.shipped and port_is_free(port) and not args:
-        return DEPLOY_YAML, port
+    if (models is None or models.shipped) and port_is_free(port) and not args:
+        return source, port
     app = config["applications"][0]
-    app["args"]["model"] = str(models.target)
-    app["args"]["draft"] = str(models.draft)
+    if models is not None:
+        app["args"]["model"] = str(models.target)
+        app["args"]["draft"] = str(models.draft)
     app["args"].update(args or {})
     if args or not port_is_free(port):
         port = free_port()
         set_http_port(config, port)
-    path = folder / DEPLOY_YAML.name
+    path = folder / source.name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, port
 
 
-def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 240, args: dict | None = None,
-                before_serve: Callable[[], None] | None = None) -> ServeRun:
+def start_serve(models: ServeModels | None, folder: Path, startup_timeout_s: float = 240, args: dict | None = None,
+                before_serve: Callable[[], None] | None = None, source: Path = DEPLOY_YAML) -> ServeRun:
     """Start a Ray head here, then ``serve run`` the YAML as a subprocess; wait for /health.
 
     ``args`` override the YAML's (``serve_yaml``); ``before_serve`` runs once
@@ -205,7 +207,7 @@ def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 24
     import ray
     import yaml
 
-    yaml_path, port = serve_yaml(models, folder, args)
+    yaml_path, port = serve_yaml(models, folder, args, source)
     config = yaml.safe_load(yaml_path.read_text())
     app = config["applications"][0]
     ray.init(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
@@ -221,7 +223,8 @@ def start_serve(models: ServeModels, folder: Path, startup_timeout_s: float = 24
                 [str(VENV_BIN / "serve"), "run", "--address", gcs, str(yaml_path)],
                 cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        run = ServeRun(yaml_path, port, app["name"], models.name, app["args"], log, proc, gcs)
+        name = models.name if models is not None else app["args"]["served_model_name"]
+        run = ServeRun(yaml_path, port, app["name"], name, app["args"], log, proc, gcs)
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
