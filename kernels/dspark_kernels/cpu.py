@@ -47,7 +47,7 @@ from dspark_kernels import ops
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.c", "cpu_gemm.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.c", "cpu_gemm.c", "quant_gemm.c"))
 FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 _ERRORS = {
     -1: "a write index is outside the KV cache",

@@ -1,0 +1,619 @@
+/* y = x @ W^T on CPU with W held as GGUF quantized blocks, dequantized in registers.
+ *
+ * W [N, K] is the GGUF tensor as stored: each output row is K / B blocks of B weights (B = 32 for
+ * Q8_0, Q4_0, Q4_1; 256 for the K-quants Q4_K, Q6_K), row_bytes bytes a row. A decode step reads
+ * every weight once for one or a few rows of x, so reading the 4.5-8.5 bits a weight the file holds,
+ * rather than a float32 or bfloat16 copy, is most of the speed (dspark_kernels/quant.py, the caller).
+ *
+ * The weight is read one output row after another, front to back: a single forward stream. On the
+ * development box (AMD EPYC, AVX-512) reading two or four rows side by side, as a register tile of
+ * outputs would, took the rate from memory from ~20 GB/s to ~8-10: the hardware prefetcher follows
+ * one stream, not four interleaved in a page. Rows of x go in passes of ROWS over panels of PANEL
+ * output rows, so that a pass after the first reads the panel from L1, not from memory.
+ *
+ * Float path (dspark_quant_gemm_f32): x, every product and every sum in float32. Each group of 32
+ * weights of a row is decoded to two vectors of 16 floats bit-equal to gguf's dequantize (the
+ * reference: quant.dequantize; no fused multiply-add inside a weight's formula), then multiplied
+ * into two 16-lane accumulators per (row of x, output), low and high 16 weights, group after group
+ * along K; then the two added and their 16 lanes summed in a fixed tree (hsum). That sequence is the
+ * same whatever M is, so a row's result does not depend on the batch beside it (the engine's batch
+ * invariance). Decoding each group again for every pass of ROWS rows measured faster, at every M
+ * from 5 to 32, than decoding a panel once into a float32 buffer and reading it back (loads, not
+ * multiply-adds, bound that loop), so there is no such buffer.
+ *
+ * Int8 path (dspark_quant_gemm_q8act, Q4_0 / Q4_1 / Q8_0 with AVX512-VNNI): each 32-block of a row
+ * of x is rounded to int8 with its own scale, as llama.cpp does; the dot product of a weight block
+ * and an x block is then exact in int32 (vpdpbusd), scaled by both blocks' scales into a float32
+ * accumulator. Faster, and as accurate as x's rounding to int8 (about 1e-3 relative; see quant.py):
+ * a separate entry point, not the float path.
+ *
+ * Plain C with GCC/Clang vector extensions for the arithmetic, and AVX-512 intrinsics (guarded by
+ * __AVX512F__ etc.) for the decoders; without them a portable scalar decoder gives the same floats
+ * and the int8 path a scalar loop. Single-threaded: the torch process calls it from one thread
+ * (built without -fopenmp; ctypes drops the GIL during a call, so a caller may run disjoint ranges
+ * of output rows on two threads). Built and loaded by dspark_kernels/cpu.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_AVX512 1
+#endif
+#if defined(QG_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define QG_VNNI 1
+#endif
+
+/* GGML type ids (gguf.GGMLQuantizationType). */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+#define PANEL 16 /* output rows a panel: each pass of ROWS rows of x over it reads it again, from L1 */
+#define ROWS 4   /* rows of x a pass (measured against 6 and 8: no clear gain, more code) */
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 load16(const float *p) { return *(const v16 *)p; }
+
+/* An IEEE half's bits as float32, exactly (subnormals included). */
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp == 0 && man == 0)
+        bits = sign;
+    else if (exp == 0) { /* subnormal: value man * 2^-24, renormalised */
+        int shifts = 0;
+        while (!(man & 0x400)) man <<= 1, ++shifts;
+        bits = sign | ((uint32_t)(113 - shifts) << 23) | ((man & 0x3ff) << 13);
+    } else
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* The 16 lanes summed in a fixed tree (i with i + 8, then i + 4, i + 2, i + 1): the same additions
+ * in the same order on every path. */
+static inline float hsum(v16 a) {
+#if defined(QG_AVX512)
+    const __m512 z = (__m512)a;
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(z), high);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+#else
+    const float t0 = (a[0] + a[8]) + (a[4] + a[12]), t1 = (a[1] + a[9]) + (a[5] + a[13]);
+    const float t2 = (a[2] + a[10]) + (a[6] + a[14]), t3 = (a[3] + a[11]) + (a[7] + a[15]);
+    return (t0 + t2) + (t1 + t3);
+#endif
+}
+
+/* A (row of x, output) result from its two accumulators, over the low and the high 16 weights of
+ * every group (two chains of multiply-adds, so that one output row's sum is not held up by the
+ * latency of each). Every mode and every M ends a result this way. */
+static inline float finish(const v16 acc[2]) { return hsum(acc[0] + acc[1]); }
+
+/* Q4_K's packed 6-bit scale and min of sub-block j (0..7), as ggml's get_scale_min_k4. */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ---- decoders: group g (32 weights) of a row -> lo (weights 0..15), hi (16..31) --------------------
+ * Each weight is computed as gguf's numpy dequantize computes it (the same products and sums, each
+ * rounded: no fused multiply-add inside a weight's formula), so the floats are bit-equal to it. */
+
+#if defined(QG_AVX512)
+static const v16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* Stops the compiler fusing the multiply before it with the add after it. */
+static inline __m512 rounded(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* The two halves at p (a block's d and the 2 bytes after it: m, or quants) widened, [h0, h1, h0, ...]:
+ * moveldup gives h0 in every lane, movehdup h1. */
+static inline __m512 halves(const uint8_t *p) {
+    int32_t t;
+    memcpy(&t, p, 4);
+    return _mm512_cvtph_ps(_mm256_set1_epi32(t));
+}
+
+/* table[q] for q = 0..15 looked up by the low 4 bits of each of 16 int32 lanes (vpermps). */
+static inline v16 lookup(__m512i q, __m512 table) { return (v16)_mm512_permutexvar_ps(q, table); }
+
+static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void dec_q8_0(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + g * 34;
+    const __m512 d = _mm512_moveldup_ps(halves(b));
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
+    const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)));
+    *lo = (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
+    *hi = (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
+}
+
+static inline void dec_q4_0(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + g * 18;
+    const __m512 centred = _mm512_sub_ps((__m512)IOTA, _mm512_set1_ps(8.0f)); /* q - 8, exact */
+    const __m512 table = _mm512_mul_ps(_mm512_moveldup_ps(halves(b)), centred);
+    const __m512i q = bytes16(b + 2);
+    *lo = lookup(q, table);
+    *hi = lookup(_mm512_srli_epi32(q, 4), table);
+}
+
+static inline void dec_q4_1(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + g * 20;
+    const __m512 dm = halves(b);
+    const __m512 dq = rounded(_mm512_mul_ps(_mm512_moveldup_ps(dm), (__m512)IOTA));
+    const __m512 table = _mm512_add_ps(dq, _mm512_movehdup_ps(dm));
+    const __m512i q = bytes16(b + 4);
+    *lo = lookup(q, table);
+    *hi = lookup(_mm512_srli_epi32(q, 4), table);
+}
+
+static inline void dec_q4_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + (g >> 3) * 144;
+    const int j = (int)(g & 7);
+    int sc, mn;
+    q4k_scale_min(b + 4, j, &sc, &mn);
+    const float dsc = half(b) * (float)sc, dmn = half(b + 2) * (float)mn;
+    const __m512 dq = rounded(_mm512_mul_ps(_mm512_set1_ps(dsc), (__m512)IOTA));
+    const __m512 table = _mm512_sub_ps(dq, _mm512_set1_ps(dmn));
+    const uint8_t *qs = b + 16 + (j >> 1) * 32;
+    __m512i q0 = bytes16(qs), q1 = bytes16(qs + 16);
+    if (j & 1) q0 = _mm512_srli_epi32(q0, 4), q1 = _mm512_srli_epi32(q1, 4);
+    *lo = lookup(q0, table);
+    *hi = lookup(q1, table);
+}
+
+static inline void dec_q6_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + (g >> 3) * 210;
+    const int j = (int)(g & 7), h = j >> 2, c = j & 3;
+    const float d = half(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192) + 2 * j;
+    const uint8_t *ql = b + h * 64 + (c & 1) * 32, *qh = b + 128 + h * 32;
+    const __m512i mask4 = _mm512_set1_epi32(15), mask2 = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+    const __m128i shift_l = _mm_cvtsi32_si128(c >= 2 ? 4 : 0), shift_h = _mm_cvtsi32_si128(2 * c);
+    v16 out[2];
+    for (int i = 0; i < 2; ++i) {
+        const __m512i l = _mm512_and_si512(_mm512_srl_epi32(bytes16(ql + 16 * i), shift_l), mask4);
+        const __m512i u = _mm512_and_si512(_mm512_srl_epi32(bytes16(qh + 16 * i), shift_h), mask2);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(u, 4)), off);
+        out[i] = (v16)_mm512_mul_ps(_mm512_set1_ps(d * (float)scales[i]), _mm512_cvtepi32_ps(q));
+    }
+    *lo = out[0];
+    *hi = out[1];
+}
+
+#else /* portable: the same floats, one at a time */
+
+/* Keeps each product in t rounded before anything is added to it. */
+#define ROUNDED(t) __asm__("" : "+m"(t))
+
+static inline void split(const float t[32], v16 *lo, v16 *hi) {
+    memcpy(lo, t, 64);
+    memcpy(hi, t + 16, 64);
+}
+
+static inline void dec_q8_0(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + g * 34;
+    const float d = half(b);
+    float t[32];
+    for (int i = 0; i < 32; ++i) t[i] = (float)(int8_t)b[2 + i] * d;
+    split(t, lo, hi);
+}
+
+static inline void dec_q4_0(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + g * 18;
+    const float d = half(b);
+    float t[32];
+    for (int i = 0; i < 16; ++i) t[i] = d * (float)((b[2 + i] & 15) - 8), t[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
+    split(t, lo, hi);
+}
+
+static inline void dec_q4_1(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + g * 20;
+    const float d = half(b), m = half(b + 2);
+    float t[32];
+    for (int i = 0; i < 16; ++i) t[i] = d * (float)(b[4 + i] & 15), t[i + 16] = d * (float)(b[4 + i] >> 4);
+    ROUNDED(t);
+    for (int i = 0; i < 32; ++i) t[i] += m;
+    split(t, lo, hi);
+}
+
+static inline void dec_q4_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + (g >> 3) * 144;
+    const int j = (int)(g & 7);
+    int sc, mn;
+    q4k_scale_min(b + 4, j, &sc, &mn);
+    const float dsc = half(b) * (float)sc, dmn = half(b + 2) * (float)mn;
+    const uint8_t *qs = b + 16 + (j >> 1) * 32;
+    float t[32];
+    for (int i = 0; i < 32; ++i) t[i] = dsc * (float)((j & 1) ? qs[i] >> 4 : qs[i] & 15);
+    ROUNDED(t);
+    for (int i = 0; i < 32; ++i) t[i] -= dmn;
+    split(t, lo, hi);
+}
+
+static inline void dec_q6_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
+    const uint8_t *b = row + (g >> 3) * 210;
+    const int j = (int)(g & 7), h = j >> 2, c = j & 3;
+    const float d = half(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192) + 2 * j;
+    const uint8_t *ql = b + h * 64 + (c & 1) * 32, *qh = b + 128 + h * 32;
+    float t[32];
+    for (int i = 0; i < 32; ++i) {
+        const int q = (((c >= 2 ? ql[i] >> 4 : ql[i]) & 15) | (((qh[i] >> (2 * c)) & 3) << 4)) - 32;
+        t[i] = (d * (float)scales[i >> 4]) * (float)q;
+    }
+    split(t, lo, hi);
+}
+#endif
+
+/* ---- the float path ----------------------------------------------------------------------------------
+ * Streaming tiles: R rows of x times `count` output rows, one output row after another (the weight
+ * read as one forward stream: on the development box two or four rows read side by side took the
+ * memory rate from ~20 to ~8-10 GB/s), each group decoded once and applied to the R rows. */
+
+#define STREAM_TILE(NAME, DECODE, R)                                                                          \
+    static void NAME(const float *x, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t count, float *y, \
+                     int64_t ldy) {                                                                           \
+        for (int64_t n = 0; n < count; ++n) {                                                                 \
+            const uint8_t *row = w + n * row_bytes;                                                           \
+            v16 acc[R][2];                                                                                    \
+            for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (v16){0};                                     \
+            for (int64_t g = 0; g < K / 32; ++g) {                                                            \
+                v16 lo, hi;                                                                                   \
+                DECODE(row, g, &lo, &hi);                                                                     \
+                for (int r = 0; r < R; ++r) {                                                                 \
+                    acc[r][0] += lo * load16(x + r * K + 32 * g);                                             \
+                    acc[r][1] += hi * load16(x + r * K + 32 * g + 16);                                        \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int r = 0; r < R; ++r) y[r * ldy + n] = finish(acc[r]);                                      \
+        }                                                                                                     \
+    }
+
+/* (x, K, blocks, row_bytes, output rows, y, ldy) */
+typedef void (*StreamTile)(const float *, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
+
+#define STREAM_TILES(T, DECODE)                                                                               \
+    STREAM_TILE(stream_##T##_1, DECODE, 1)                                                                    \
+    STREAM_TILE(stream_##T##_2, DECODE, 2)                                                                    \
+    STREAM_TILE(stream_##T##_3, DECODE, 3)                                                                    \
+    STREAM_TILE(stream_##T##_4, DECODE, 4)                                                                    \
+    static const StreamTile stream_##T[ROWS + 1] = {0, stream_##T##_1, stream_##T##_2, stream_##T##_3,        \
+                                                    stream_##T##_4};
+STREAM_TILES(q8_0, dec_q8_0)
+STREAM_TILES(q4_0, dec_q4_0)
+STREAM_TILES(q4_1, dec_q4_1)
+STREAM_TILES(q4_k, dec_q4_k)
+STREAM_TILES(q6_k, dec_q6_k)
+
+/* The streaming tiles of a type, and its block: weights and bytes. 0 if the type is not taken. */
+static int type_info(int qtype, const StreamTile **stream, int64_t *block, int64_t *bytes) {
+    switch (qtype) {
+    case Q8_0: *stream = stream_q8_0, *block = 32, *bytes = 34; return 1;
+    case Q4_0: *stream = stream_q4_0, *block = 32, *bytes = 18; return 1;
+    case Q4_1: *stream = stream_q4_1, *block = 32, *bytes = 20; return 1;
+    case Q4_K: *stream = stream_q4_k, *block = 256, *bytes = 144; return 1;
+    case Q6_K: *stream = stream_q6_k, *block = 256, *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+static void add_bias(float *y, int64_t M, int64_t N, const float *bias) {
+    if (bias != NULL)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
+/* y [M, N] = x [M, K] @ dequantize(W [N, row_bytes])^T (+ bias [N] if not NULL), float32.
+ * Returns 0, or -1 for a type it does not take, -2 for a K or row_bytes that does not fit it. */
+int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                          int qtype, const float *bias, float *y) {
+    const StreamTile *stream;
+    int64_t block, bytes;
+    if (!type_info(qtype, &stream, &block, &bytes)) return -1;
+    if (K % block != 0 || row_bytes != K / block * bytes) return -2;
+    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+        const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+            stream[rows](x + m0 * K, K, w + n0 * row_bytes, row_bytes, width, y + m0 * N + n0, N);
+        }
+    }
+    add_bias(y, M, N, bias);
+    return 0;
+}
+
+/* ---- int8 activations (llama.cpp's scheme) --------------------------------------------------------
+ *
+ * Each 32-block of a row of x becomes int8 xq with scale dx = max|x| / 127 (xq = x * (1 / dx) rounded
+ * half to even; all zeros where the block is), its sum of xq, and its float sum sx. A weight block's
+ * dot product with it is then exact in int32: vpdpbusd multiplies unsigned bytes by signed ones, so
+ * Q4 nibbles (0..15) go in as they are, Q4_0's "- 8" and Q8_0's signed bytes (xor 0x80: q + 128)
+ * are taken back through the block's sum of xq. Per block: y += d * dx * dot (+ m * sx for Q4_1).
+ *
+ * x is laid out per row in records of RECORD bytes, one a group (4 blocks of Q4, 2 of Q8_0), in the
+ * order the weight decoder leaves the bytes, missing blocks of the last group zero:
+ *   Q4_0 / Q4_1: [xq of weights 0..15 of blocks 0..3 : 64][weights 16..31 : 64]
+ *                [16 float: dx of block l / 4][16: Q4_1 sx, Q4_0 8 * sum(xq), in lane 4b, else 0]
+ *   Q8_0:        [xq of blocks 0..1 : 64][unused : 64][16 float: dx of block l / 8]
+ *                [16 int32: 128 * sum(xq) in lane 8b, else 0]
+ */
+#define RECORD 256
+
+static inline int64_t per_group(int qtype) { return qtype == Q8_0 ? 2 : 4; }
+
+static int int8_type(int qtype, int64_t *bytes) {
+    switch (qtype) {
+    case Q8_0: *bytes = 34; return 1;
+    case Q4_0: *bytes = 18; return 1;
+    case Q4_1: *bytes = 20; return 1;
+    default: return 0;
+    }
+}
+
+/* Records of up to this many bytes (a few rows: 3 KB a row at K = 1536) sit on the stack. */
+#define STACK_RECORDS 32768
+
+static int64_t records_bytes(int qtype, int64_t M, int64_t K) {
+    return M * ((K / 32 + per_group(qtype) - 1) / per_group(qtype)) * RECORD;
+}
+
+/* Bytes of scratch the int8 path wants for M rows of K (0: its records fit on the stack). */
+int64_t dspark_quant_gemm_q8act_scratch(int qtype, int64_t M, int64_t K) {
+    const int64_t bytes = records_bytes(qtype, M, K);
+    return bytes <= STACK_RECORDS ? 0 : bytes;
+}
+
+int dspark_quant_gemm_q8act_native(void) {
+#if defined(QG_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Rows of x [M, K] to their records (layout above). */
+static void quantize_x(const float *x, int64_t M, int64_t K, int qtype, uint8_t *records) {
+    const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+    memset(records, 0, (size_t)(M * groups * RECORD));
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float *xb = x + r * K + 32 * b;
+            float amax = 0.0f, sx = 0.0f;
+            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+            const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+            int8_t q[32];
+            int32_t sum = 0;
+            for (int i = 0; i < 32; ++i) {
+                const float v = fminf(fmaxf(rintf(xb[i] * inv), -127.0f), 127.0f);
+                q[i] = (int8_t)v;
+                sum += q[i];
+                sx += xb[i];
+            }
+            uint8_t *rec = records + (r * groups + b / pg) * RECORD;
+            float *dxs = (float *)(rec + 128);
+            const int i = (int)(b % pg);
+            if (qtype == Q8_0) {
+                memcpy(rec + 32 * i, q, 32);
+                for (int l = 0; l < 8; ++l) dxs[8 * i + l] = dx;
+                ((int32_t *)(rec + 192))[8 * i] = 128 * sum;
+            } else {
+                memcpy(rec + 16 * i, q, 16);
+                memcpy(rec + 64 + 16 * i, q + 16, 16);
+                for (int l = 0; l < 4; ++l) dxs[4 * i + l] = dx;
+                if (qtype == Q4_1)
+                    ((float *)(rec + 192))[4 * i] = sx;
+                else
+                    ((int32_t *)(rec + 192))[4 * i] = 8 * sum;
+            }
+        }
+}
+
+#if defined(QG_VNNI)
+/* One group of a weight row, decoded: q as unsigned bytes in the records' order, d (and m) a lane. */
+typedef struct {
+    __m512i lo, hi;
+    __m512 d, m;
+} Group;
+
+/* Byte indices into the 128 bytes (a, b) of a group for vpermi2b. */
+#define IDX(EXPR)                                                                                             \
+    ({                                                                                                        \
+        uint8_t t_[64];                                                                                       \
+        for (int i = 0; i < 64; ++i) t_[i] = (uint8_t)(EXPR);                                                 \
+        _mm512_loadu_si512(t_);                                                                               \
+    })
+
+/* Q4_0 / Q4_1: 4 blocks. */
+static inline Group group_q4(__m512i a, __m512i b, __m512i idx_qs, __m512i idx_hdr) {
+    const __m512i qs = _mm512_permutex2var_epi8(a, idx_qs, b), low = _mm512_set1_epi8(15);
+    const __m512i hdr = _mm512_permutex2var_epi8(a, idx_hdr, b);
+    return (Group){_mm512_and_si512(qs, low), _mm512_and_si512(_mm512_srli_epi16(qs, 4), low),
+                   _mm512_cvtph_ps(_mm512_castsi512_si256(hdr)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hdr, 1))};
+}
+
+/* Q8_0: 2 blocks, the signed bytes as unsigned q + 128. */
+static inline Group group_q8(__m512i a, __m512i b, __m512i idx_qs, __m512i idx_hdr) {
+    const __m512i qs = _mm512_permutex2var_epi8(a, idx_qs, b);
+    const __m512i hdr = _mm512_permutex2var_epi8(a, idx_hdr, b);
+    return (Group){_mm512_xor_si512(qs, _mm512_set1_epi8((char)0x80)), _mm512_setzero_si512(),
+                   _mm512_cvtph_ps(_mm512_castsi512_si256(hdr)), _mm512_setzero_ps()};
+}
+
+/* One group of one row of x (its record rec): acc[0] += d * dx * dot, acc[1] += m * sx (Q4_1). */
+static inline void apply_q4_1(__m512 *acc, __m512 *accm, const Group *w, const uint8_t *rec) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w->lo, _mm512_loadu_si512(rec));
+    dot = _mm512_dpbusd_epi32(dot, w->hi, _mm512_loadu_si512(rec + 64));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w->d, _mm512_loadu_ps(rec + 128)), *acc);
+    *accm = _mm512_fmadd_ps(w->m, _mm512_loadu_ps(rec + 192), *accm);
+}
+
+/* Q4_0: the dot starts from -8 * sum(xq) (its "- 8"). */
+static inline void apply_q4_0(__m512 *acc, __m512 *accm, const Group *w, const uint8_t *rec) {
+    (void)accm;
+    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(rec + 192));
+    __m512i dot = _mm512_dpbusd_epi32(start, w->lo, _mm512_loadu_si512(rec));
+    dot = _mm512_dpbusd_epi32(dot, w->hi, _mm512_loadu_si512(rec + 64));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w->d, _mm512_loadu_ps(rec + 128)), *acc);
+}
+
+/* Q8_0: the dot of q + 128, less 128 * sum(xq). */
+static inline void apply_q8_0(__m512 *acc, __m512 *accm, const Group *w, const uint8_t *rec) {
+    (void)accm;
+    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(rec + 192));
+    const __m512i dot = _mm512_dpbusd_epi32(start, w->lo, _mm512_loadu_si512(rec));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w->d, _mm512_loadu_ps(rec + 128)), *acc);
+}
+
+/* A whole group's bytes (PG * SIZE: 64 + 16, 8 or 4), exactly those. */
+static inline void load_group(const uint8_t *p, int tail, __m512i *a, __m512i *b) {
+    *a = _mm512_loadu_si512(p);
+    *b = _mm512_castsi128_si512(_mm_maskz_loadu_epi8((__mmask16)((1u << tail) - 1), p + 64));
+}
+
+/* Group g of a row into accumulator A (0: even groups, 1: odd) of every row of x. */
+#define INT8_GROUP(GROUP, APPLY, R, G, A)                                                                     \
+    {                                                                                                         \
+        const Group dec = GROUP(a, b, idx_qs, idx_hdr);                                                       \
+        for (int r = 0; r < R; ++r)                                                                           \
+            APPLY(&acc[r][A], &acc[r][2], &dec, xr + (r * groups + (G)) * RECORD);                            \
+    }
+
+/* R rows of x (records xr, `groups` a row) times `count` weight rows from w, one row after another
+ * (as the float path's tiles): full groups with plain loads, a short last group with a masked one
+ * (nothing past the row is read). */
+#define INT8_TILE(NAME, GROUP, APPLY, SIZE, PG, R)                                                            \
+    static void NAME(const uint8_t *xr, int64_t groups, int64_t blocks, const uint8_t *w, int64_t row_bytes,  \
+                     int64_t count, __m512i idx_qs, __m512i idx_hdr, float *y, int64_t ldy) {                 \
+        const int64_t full = blocks / PG;                                                                     \
+        const int tail = PG * SIZE - 64, part = (int)((blocks - full * PG) * SIZE);                           \
+        for (int64_t n = 0; n < count; ++n) {                                                                 \
+            const uint8_t *row = w + n * row_bytes;                                                           \
+            __m512 acc[R][3];                                                                                 \
+            for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();              \
+            __m512i a, b;                                                                                     \
+            int64_t g = 0;                                                                                    \
+            for (; g + 1 < full; g += 2) {                                                                    \
+                load_group(row + g * PG * SIZE, tail, &a, &b);                                                \
+                INT8_GROUP(GROUP, APPLY, R, g, 0)                                                             \
+                load_group(row + (g + 1) * PG * SIZE, tail, &a, &b);                                          \
+                INT8_GROUP(GROUP, APPLY, R, g + 1, 1)                                                         \
+            }                                                                                                 \
+            if (g < full) {                                                                                   \
+                load_group(row + g * PG * SIZE, tail, &a, &b);                                                \
+                INT8_GROUP(GROUP, APPLY, R, g, 0)                                                             \
+                ++g;                                                                                          \
+            }                                                                                                 \
+            if (part > 0) { /* the short last group: into accumulator 0 whatever its parity */                \
+                a = _mm512_maskz_loadu_epi8((__mmask64)((1ull << part) - 1), row + g * PG * SIZE);            \
+                b = _mm512_setzero_si512();                                                                   \
+                INT8_GROUP(GROUP, APPLY, R, g, 0)                                                             \
+            }                                                                                                 \
+            for (int r = 0; r < R; ++r)                                                                       \
+                y[r * ldy + n] = hsum((v16)(acc[r][0] + acc[r][1] + acc[r][2]));                              \
+        }                                                                                                     \
+    }
+
+typedef void (*Int8Tile)(const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, __m512i, __m512i,
+                         float *, int64_t);
+#define INT8_TILES(T, GROUP, APPLY, SIZE, PG)                                                                 \
+    INT8_TILE(int8_##T##_1, GROUP, APPLY, SIZE, PG, 1)                                                        \
+    INT8_TILE(int8_##T##_2, GROUP, APPLY, SIZE, PG, 2)                                                        \
+    INT8_TILE(int8_##T##_3, GROUP, APPLY, SIZE, PG, 3)                                                        \
+    INT8_TILE(int8_##T##_4, GROUP, APPLY, SIZE, PG, 4)                                                        \
+    static const Int8Tile int8_##T[ROWS + 1] = {0, int8_##T##_1, int8_##T##_2, int8_##T##_3, int8_##T##_4};
+INT8_TILES(q4_0, group_q4, apply_q4_0, 18, 4)
+INT8_TILES(q4_1, group_q4, apply_q4_1, 20, 4)
+INT8_TILES(q8_0, group_q8, apply_q8_0, 34, 2)
+
+static void int8_gemm(const uint8_t *records, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                      int qtype, int64_t size, float *y) {
+    const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+    const Int8Tile *tiles = qtype == Q8_0 ? int8_q8_0 : qtype == Q4_1 ? int8_q4_1 : int8_q4_0;
+    __m512i idx_qs, idx_hdr;
+    if (qtype == Q8_0) {
+        idx_qs = IDX((i / 32) * 34 + 2 + i % 32);
+        idx_hdr = IDX(((i / 2) / 8) * 34 + i % 2); /* f16 lane i / 2 (of the low 16): block (i / 2) / 8 */
+    } else {
+        const int off = qtype == Q4_1 ? 4 : 2;
+        idx_qs = IDX((i / 16) * size + off + i % 16);
+        /* f16 lanes 0..15: d of block lane / 4; 16..31: m of block (lane - 16) / 4 */
+        idx_hdr = IDX(((i / 2) % 16 / 4) * size + (i / 32) * 2 + i % 2);
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+        const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+            tiles[rows](records + m0 * groups * RECORD, groups, blocks, w + n0 * row_bytes, row_bytes, width, idx_qs,
+                        idx_hdr, y + m0 * N + n0, N);
+        }
+    }
+}
+
+#else /* portable: one block at a time */
+
+static void int8_gemm(const uint8_t *records, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                      int qtype, int64_t size, float *y) {
+    const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t *blk = w + n * row_bytes + b * size, *rec = records + (r * groups + b / pg) * RECORD;
+                const int i = (int)(b % pg);
+                const float dx = ((const float *)(rec + 128))[qtype == Q8_0 ? 8 * i : 4 * i];
+                int32_t dot = 0;
+                if (qtype == Q8_0) {
+                    for (int k = 0; k < 32; ++k) dot += (int8_t)blk[2 + k] * (int8_t)rec[32 * i + k];
+                } else {
+                    const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+                    for (int k = 0; k < 16; ++k)
+                        dot += (qs[k] & 15) * (int8_t)rec[16 * i + k] + (qs[k] >> 4) * (int8_t)rec[64 + 16 * i + k];
+                    if (qtype == Q4_0) dot -= ((const int32_t *)(rec + 192))[4 * i];
+                }
+                acc += (float)dot * (half(blk) * dx);
+                if (qtype == Q4_1) acc += half(blk + 2) * ((const float *)(rec + 192))[4 * i];
+            }
+            y[r * N + n] = acc;
+        }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias [N] if not NULL), x's 32-blocks rounded to int8 (above), for
+ * Q8_0, Q4_0, Q4_1. scratch: dspark_quant_gemm_q8act_scratch(qtype, M, K) bytes for x's records
+ * (NULL when that is 0).
+ * Returns 0, or -1 for a type it does not take, -2 for a K, row_bytes or scratch that does not fit. */
+int dspark_quant_gemm_q8act(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                            int qtype, const float *bias, float *y, uint8_t *scratch) {
+    int64_t size;
+    if (!int8_type(qtype, &size)) return -1;
+    if (K % 32 != 0 || row_bytes != K / 32 * size) return -2;
+    uint8_t stack[STACK_RECORDS] __attribute__((aligned(64)));
+    if (scratch == NULL) {
+        if (records_bytes(qtype, M, K) > STACK_RECORDS) return -2;
+        scratch = stack;
+    }
+    quantize_x(x, M, K, qtype, scratch);
+    int8_gemm(scratch, M, K, w, N, row_bytes, qtype, size, y);
+    add_bias(y, M, N, bias);
+    return 0;
+}

@@ -1,0 +1,338 @@
+"""GGUF block weights (dspark_kernels/quant.py): the reference, the C kernel, the Triton kernel.
+
+- ``dequantize`` is gguf's own numpy dequantizer bit for bit, for every type, on random blocks
+  (subnormal, zero and negative scales among them) and on blocks gguf's quantizer wrote.
+- The C kernel's float path equals dequantize-then-matmul up to the order of float32 sums, over a
+  grid of shapes, and each row's result is the same bits whatever rows share its call; built for
+  this CPU and built portably (no -march: the scalar decoders, no F16C).
+- The int8 path equals its own reference (the integer dot products exact) and stays within half an
+  int8 step of x from the float path.
+- Tensor-parallel slices cut on block boundaries only, and compute their share of the full matmul.
+- The Triton kernel, in the interpreter, equals the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dspark_kernels import cpu, ops, quant
+from kernel_fixtures import _under_interpreter, rerun_file_if_needed  # noqa: F401
+
+test_file_under_interpreter = rerun_file_if_needed(__file__)
+needs_c = pytest.mark.skipif(quant._library() is None,
+                             reason="the CPU kernels are off (DSPARK_CPU_KERNELS=0) or no C compiler here built them")
+
+ALL_TYPES = (quant.Q8_0, quant.Q4_0, quant.Q4_1, quant.Q4_K, quant.Q6_K)
+U = 2.0**-24  # float32 unit roundoff
+# Float16 scales a random block may carry: subnormals, both zeros, negatives, the largest finite.
+ODD_SCALES = (2.0**-24, 3 * 2.0**-20, 6.1e-5, 0.0, -0.0, -0.03, 1.5, -65504.0)
+
+
+def weight(qtype: int, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    return quant.QuantWeight(quant.random_blocks(qtype, (n, k), g), qtype, (n, k))
+
+
+def with_odd_scales(w: quant.QuantWeight) -> quant.QuantWeight:
+    """w with the scales of its first blocks set to ODD_SCALES (each of a block's scales, rotated)."""
+    blocks = w.blocks.clone()
+    flat = blocks.view(-1, w.format.nbytes)
+    odd = torch.tensor(ODD_SCALES, dtype=torch.float16).view(torch.uint8).view(-1, 2)
+    for i, offset in enumerate(quant.SCALE_OFFSETS[w.qtype]):
+        flat[:len(ODD_SCALES), offset:offset + 2] = odd.roll(i, 0)
+    return quant.QuantWeight(blocks, w.qtype, w.shape)
+
+
+def block_k(qtype: int) -> int:
+    return quant.FORMATS[qtype].block
+
+
+def abs_products(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
+    """sum_k |x_k w_k| for every output [M, N], float64: what bounds a float sum's rounding."""
+    return x.double().abs() @ w.dequantize().double().abs().T
+
+
+# ---- the reference against gguf ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_dequantize_is_gguf_bit_for_bit(qtype):
+    gguf = pytest.importorskip("gguf")
+    k = 2 * block_k(qtype)
+    w = with_odd_scales(weight(qtype, 64, k, seed=qtype))
+    want = gguf.quants.dequantize(w.blocks.numpy(), gguf.GGMLQuantizationType(qtype))
+    got = quant.dequantize(w.blocks, qtype, w.shape)
+    assert got.dtype == torch.float32 and got.shape == (64, k)
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", (quant.Q8_0, quant.Q4_0, quant.Q4_1))
+def test_dequantize_reads_what_gguf_quantize_wrote(qtype):
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(3)
+    dense = (torch.randn(48, 96, generator=g) * 0.05).numpy()
+    blocks = gguf.quants.quantize(dense, gguf.GGMLQuantizationType(qtype))
+    assert blocks.shape == (48, 96 // 32 * quant.FORMATS[qtype].nbytes)
+    got = quant.dequantize(torch.from_numpy(blocks), qtype, (48, 96))
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+    step = np.abs(dense).reshape(48, 3, 32).max(-1).repeat(32, -1) / (127 if qtype == quant.Q8_0 else 7)
+    assert np.all(np.abs(got.numpy() - dense) <= step * 1.01)  # a real quantization of dense, not noise
+
+
+def test_formats_are_gguf_s():
+    gguf = pytest.importorskip("gguf")
+    for fmt in quant.FORMATS.values():
+        assert gguf.GGMLQuantizationType[fmt.name] == fmt.qtype
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(fmt.qtype)] == (fmt.block, fmt.nbytes)
+
+
+# ---- the weight and its tensor-parallel slices ----------------------------------------------------------
+
+
+def test_quant_weight_checks_its_blocks():
+    w = weight(quant.Q4_1, 4, 64)
+    assert w.nbytes == 4 * 2 * 20 and w.row_bytes == 40 and w.format.name == "Q4_1"
+    with pytest.raises(quant.QuantError, match=r"must be uint8 \(4, 40\)"):
+        quant.QuantWeight(w.blocks[:, :20], quant.Q4_1, (4, 64))
+    with pytest.raises(quant.QuantError, match="not a multiple of Q4_1's 32-weight block"):
+        quant.QuantWeight(w.blocks, quant.Q4_1, (4, 60))
+    with pytest.raises(quant.QuantError, match="GGML type 1 is not a block format"):
+        quant.QuantWeight(w.blocks, 1, (4, 64))
+    with pytest.raises(quant.QuantError, match="contiguous"):
+        quant.QuantWeight(torch.zeros(40, 4, dtype=torch.uint8).T, quant.Q4_1, (4, 64))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_slices_keep_whole_blocks(qtype):
+    b = block_k(qtype)
+    w = weight(qtype, 40, 4 * b, seed=5)
+    full = w.dequantize()
+    rows = w.slice_rows(7, 30)  # column parallel: any output rows
+    assert rows.shape == (23, 4 * b) and torch.equal(rows.dequantize(), full[7:30])
+    cols = w.slice_cols(b, 4 * b)  # row parallel: input columns in whole blocks
+    assert cols.shape == (40, 3 * b) and torch.equal(cols.dequantize(), full[:, b:])
+    assert cols.blocks.is_contiguous() and cols.nbytes == 40 * 3 * quant.FORMATS[qtype].nbytes
+    with pytest.raises(quant.BlockBoundaryError, match=f"multiple of {b}"):
+        w.slice_cols(0, b + 16)
+    with pytest.raises(quant.BlockBoundaryError, match="cut its"):
+        w.slice_cols(b // 2, 2 * b)
+    with pytest.raises(quant.QuantError, match="not inside"):
+        w.slice_rows(30, 41)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_slices_compute_their_share(qtype):
+    """A column-parallel shard's outputs are the full matmul's, bit for bit (each output row is
+    computed alone); row-parallel shards' partial sums add up to it within float32 rounding."""
+    b = block_k(qtype)
+    w = weight(qtype, 40, 4 * b, seed=5)
+    x = torch.randn(3, 4 * b, generator=torch.Generator().manual_seed(6))
+    full = quant.quant_matmul(x, w)
+    assert torch.equal(quant.quant_matmul(x, w.slice_rows(7, 30)), full[:, 7:30])
+    total = quant.quant_matmul(x[:, :b], w.slice_cols(0, b)) + quant.quant_matmul(x[:, b:], w.slice_cols(b, 4 * b))
+    assert torch.all((total - full).double().abs() <= 8 * b * U * abs_products(x, w) + 1e-30)
+
+
+@needs_c
+def test_cat_rows_fuses_projections():
+    q, k, v = weight(quant.Q4_1, 12, 64, 1), weight(quant.Q4_1, 4, 64, 2), weight(quant.Q4_1, 4, 64, 3)
+    qkv = quant.QuantWeight.cat_rows([q, k, v])
+    assert qkv.shape == (20, 64) and torch.equal(qkv.dequantize(), torch.cat([w.dequantize() for w in (q, k, v)]))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(quant.quant_matmul(x, qkv)[:, 12:16], quant.quant_matmul(x, k))
+    with pytest.raises(quant.QuantError, match="one type and one in_features"):
+        quant.QuantWeight.cat_rows([q, weight(quant.Q8_0, 4, 64)])
+
+
+# ---- the C kernel -----------------------------------------------------------------------------------------
+
+ROWS = (1, 2, 3, 5, 8, 16, 33)
+
+
+class FloatOracle:
+    """What the float path's results are checked against, for x [M, K] and w: the float64 product of
+    x and the exact weights, and the float32 reference (dequantize-then-matmul).
+
+    The kernel multiplies the reference's own float32 weights (decoded bit for bit), so they differ
+    only in how float32 sums round. A sum of n products computed in any order is within n * u *
+    sum|x_k w_k| of the exact one (first order, u = 2^-24). The kernel's sums are at most K/32 + 6
+    deep (K/32 groups into each of two accumulators, then one add and a 4-level tree of 16 lanes);
+    the reference's (torch's matmul) at most K: against float64 the first bound, against the
+    reference both added, K * 2^-23 to spare."""
+
+    def __init__(self, x: torch.Tensor, w: quant.QuantWeight) -> None:
+        dense = w.dequantize()
+        self.k = x.shape[-1]
+        self.exact = x.double() @ dense.double().T
+        self.scale = x.double().abs() @ dense.double().abs().T
+        self.reference = x @ dense.T
+
+    def check(self, got: torch.Tensor, rows: int | None = None) -> None:
+        rows = got.shape[0] if rows is None else rows
+        scale = self.scale[:rows]
+        assert torch.all((got.double() - self.exact[:rows]).abs() <= (self.k / 32 + 6) * U * scale + 1e-30)
+        assert torch.all((got - self.reference[:rows]).double().abs() <= 2 * self.k * U * scale + 1e-30)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", (quant.Q8_0, quant.Q4_0, quant.Q4_1))
+@pytest.mark.parametrize("k", (32, 64, 576, 1536))
+@pytest.mark.parametrize("n", (1, 7, 64, 576, 1000))
+def test_c_kernel_is_the_float32_matmul(qtype, k, n):
+    w = weight(qtype, n, k, seed=k + n)
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(n))
+    oracle = FloatOracle(x, w)
+    for m in ROWS:
+        oracle.check(quant.quant_matmul(x[:m], w))
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", (quant.Q4_K, quant.Q6_K))
+@pytest.mark.parametrize("k, n", [(256, 1), (256, 7), (512, 64), (1536, 576), (1536, 1000)])
+def test_c_kernel_takes_the_k_quants(qtype, k, n):
+    w = weight(qtype, n, k, seed=k + n)
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(n))
+    oracle = FloatOracle(x, w)
+    for m in ROWS:
+        oracle.check(quant.quant_matmul(x[:m], w))
+
+
+@needs_c
+@pytest.mark.parametrize("qtype, int8", [(t, False) for t in ALL_TYPES] + [(t, True) for t in quant.INT8_TYPES])
+def test_each_row_is_its_own_whatever_the_batch(qtype, int8):
+    """A row's result is the same bits alone or among 32 others, at any place in the call (passes
+    of 4 rows, the last pass short): the engine's batch invariance."""
+    w = weight(qtype, 50, 2 * block_k(qtype), seed=1)
+    gemm = quant.QuantGemm(w, int8=int8)
+    x = torch.randn(33, w.in_features, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(33)])
+    for m in (2, 3, 5, 8, 33):
+        assert torch.equal(gemm(x[:m]), alone[:m])
+    assert torch.equal(gemm(x.flip(0)), alone.flip(0))
+
+
+@needs_c
+def test_c_kernel_takes_bias_and_leading_dims_and_refuses_bad_input():
+    w = weight(quant.Q4_1, 20, 64)
+    g = torch.Generator().manual_seed(4)
+    x, bias = torch.randn(2, 3, 64, generator=g), torch.randn(20, generator=g)
+    gemm = quant.QuantGemm(w)
+    got = gemm(x, bias)
+    assert got.shape == (2, 3, 20)
+    assert torch.equal(got, gemm(x.reshape(6, 64)).reshape(2, 3, 20) + bias)
+    assert torch.equal(quant.quant_matmul(x.transpose(0, 1), w), gemm(x.transpose(0, 1).contiguous()))
+    with pytest.raises(quant.QuantError, match=r"x must be float32 \[\.\.\., 64\]"):
+        gemm(x.double())
+    with pytest.raises(quant.QuantError, match=r"x must be float32 \[\.\.\., 64\]"):
+        quant.quant_matmul(x[..., :32], w)
+    with pytest.raises(quant.QuantError, match="int8 activations take Q8_0, Q4_0, Q4_1"):
+        quant.QuantGemm(weight(quant.Q6_K, 4, 256), int8=True)
+
+
+def test_reference_is_the_cpu_path_when_the_kernels_are_off():
+    w = weight(quant.Q4_1, 9, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    with ops.use_backend("reference"):
+        assert not cpu.enabled()
+        assert torch.equal(quant.quant_matmul(x, w), x @ w.dequantize().T)
+        assert torch.equal(quant.quant_matmul_int8(x, w), quant.reference_int8(x, w))
+
+
+# ---- the int8 path ---------------------------------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", quant.INT8_TYPES)
+@pytest.mark.parametrize("k", (32, 64, 576, 1536))
+def test_int8_path_is_its_reference_and_within_half_a_step_of_x(qtype, k):
+    """The integer dot products are exact, so against reference_int8 (float64) only the float32
+    scaling and sums round: each term d * dx * dot (and m * sx) within a few u of itself, the sums as
+    in FloatOracle, 1e-5 of sum|x||w| covers both. Against the float path the difference is x's
+    rounding to int8: at most half a step dx / 2 on each x_k, so |error| <= sum_k dx(k) / 2 * |w_k|."""
+    w = weight(qtype, 333, k, seed=k)
+    g = torch.Generator().manual_seed(k + 1)
+    x = torch.randn(33, k, generator=g) * torch.rand(33, 1, generator=g) * 4
+    x[1, :32] = 0.0  # an all-zero block: dx = 0
+    oracle = FloatOracle(x, w)
+    _, dx, _ = quant.quantize_rows_int8(x)
+    step = dx.double().repeat_interleave(32, dim=1) / 2 @ w.dequantize().double().abs().T
+    want = quant.reference_int8(x, w)
+    for m in ROWS:
+        got = quant.quant_matmul_int8(x[:m], w)
+        assert torch.all((got - want[:m]).double().abs() <= 1e-5 * oracle.scale[:m] + 1e-30)
+        assert torch.all((got.double() - oracle.exact[:m]).abs() <= step[:m] * (1 + 1e-4) + 1e-5 * oracle.scale[:m])
+
+
+@needs_c
+def test_int8_path_says_whether_it_runs_on_vnni():
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has = all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c"))
+    assert quant.int8_native() == has
+
+
+# ---- the portable build ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """csrc/quant_gemm.c built with plain -O3 (no -march: the scalar decoders, no F16C, no VNNI)."""
+    cc = cpu._compiler()
+    if cc is None:
+        pytest.skip("no C compiler here")
+    path = tmp_path_factory.mktemp("portable") / "quant_gemm.so"
+    source = Path(cpu.__file__).with_name("csrc") / "quant_gemm.c"
+    subprocess.run([cc, "-O3", "-std=gnu11", "-fPIC", "-shared", str(source), "-o", str(path), "-lm"], check=True)
+    lib = ctypes.CDLL(str(path))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dspark_quant_gemm_f32.argtypes = [p, i64, i64, p, i64, i64, i32, p, p]
+    lib.dspark_quant_gemm_q8act.argtypes = [p, i64, i64, p, i64, i64, i32, p, p, p]
+    lib.dspark_quant_gemm_q8act_native.restype = i32
+    return lib
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_portable_build_is_correct(portable, qtype):
+    w = with_odd_scales(weight(qtype, 37, 2 * block_k(qtype), seed=9))
+    x = torch.randn(6, w.in_features, generator=torch.Generator().manual_seed(10))
+    y = torch.empty(6, w.out_features)
+    args = (x.data_ptr(), 6, w.in_features, w.blocks.data_ptr(), w.out_features, w.row_bytes, qtype, None, y.data_ptr())
+    assert portable.dspark_quant_gemm_f32(*args) == 0
+    FloatOracle(x, w).check(y)
+    if qtype in quant.INT8_TYPES:
+        assert portable.dspark_quant_gemm_q8act_native() == 0
+        assert portable.dspark_quant_gemm_q8act(*args, None) == 0
+        scale = abs_products(x, w)
+        assert torch.all((y - quant.reference_int8(x, w)).double().abs() <= 1e-5 * scale + 1e-30)
+
+
+# ---- the Triton kernel (interpreter) ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_only(monkeypatch):
+    """The Triton backend, failing if quant_matmul reaches the reference instead."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton backend fell back to the reference")
+
+    monkeypatch.setattr(quant, "reference_matmul", refuse)
+    with ops.use_backend("triton"):
+        yield
+
+
+@pytest.mark.parametrize("qtype", quant.TRITON_TYPES)
+@pytest.mark.parametrize("m, n, k", [(1, 7, 32), (3, 40, 96), (5, 33, 64), (17, 20, 64)])  # 17: the tl.dot branch
+def test_triton_kernel_is_the_reference(triton_only, qtype, m, n, k):
+    w = weight(qtype, n, k, seed=m + n)
+    g = torch.Generator().manual_seed(k)
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    got = quant.quant_matmul(x, w, bias)
+    want = x.double() @ w.dequantize().double().T + bias.double()
+    assert torch.all((got.double() - want).abs() <= 2 * k * U * (abs_products(x, w) + bias.double().abs()) + 1e-30)
