@@ -41,7 +41,7 @@ def export_gguf(source: str | Path, folder: str | Path, dtype: str = "float32") 
     _write_weights(gguf, out / "model.safetensors", EXPORT_DTYPES[dtype])
     ids = {key: tokenizer.get_vocab()[token] for key, token in tokenizer.special_tokens.items()}
     eos = sorted(tokenizer.eos_token_ids)
-    config = {**gguf.config_dict(), "torch_dtype": dtype, "bos_token_id": ids.get("bos_token"),
+    config = {**gguf.hf_config(), "torch_dtype": dtype, "bos_token_id": ids.get("bos_token"),
               "eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": ids.get("pad_token")}
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": ids.get("bos_token"),

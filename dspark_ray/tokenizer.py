@@ -26,6 +26,7 @@ that the target verifies, so both must give every id the same meaning.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -281,10 +282,18 @@ def check_compatible(target: Tokenizer, draft: Tokenizer) -> None:
 
 
 def _from_gguf(path: Path) -> Tokenizer:
+    stat = path.stat()
+    return _gguf_tokenizer(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Tokenizer:
+    """A GGUF file's tokenizer, built once per process (reading the metadata takes seconds); a
+    Tokenizer is not changed by its users, so one object serves them all."""
     from dspark_ray.model.gguf import open_checkpoint
     from dspark_ray.tokenizer_gguf import build_backend
 
-    spec = open_checkpoint(path).tokenizer_spec()
+    spec = open_checkpoint(Path(path)).tokenizer_spec()
     special = {key: spec.tokens[i] for key, i in (("bos_token", spec.bos_id), ("eos_token", spec.eos_ids[0]),
                                                   ("unk_token", spec.unk_id), ("pad_token", spec.pad_id))
                if i is not None}

@@ -39,7 +39,7 @@ CORPUS = [
 ]
 
 
-def hf_from_gguf(path):
+def hf_from_gguf(path):  # transformers' own GGUF loader, float32
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -92,9 +92,10 @@ def test_q_and_k_rows_come_back_in_hugging_face_order(tmp_path):
 def test_tensor_parallel_ranks_read_only_their_slices(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, qtype="Q4_1", heads=4, kv_heads=2, inter=128)
-    full = dict(load(path, dtype="float32", pack=False).named_parameters())
+    full = dict(load(path, dtype="float32", pack=False, quantization="none").named_parameters())
     for rank in range(2):
-        shard = dict(load(path, dtype="float32", tp=TensorParallel(rank, 2), pack=False).named_parameters())
+        shard = dict(load(path, dtype="float32", tp=TensorParallel(rank, 2), pack=False,
+                          quantization="none").named_parameters())
         for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight"):
             w = full[f"model.layers.0.{name}"]
             rows = w.shape[0] // 2
@@ -299,7 +300,7 @@ def test_export_writes_a_folder_transformers_and_this_loader_read_as_the_file(tm
     assert main(["export", str(path), str(folder)]) == 0
     ids = torch.tensor([[5, 80, 101, 4, 200, 17, 9]])
     with torch.no_grad():
-        from_gguf = load(path, dtype="float32")(ids)[0]
+        from_gguf = load(path, dtype="float32", quantization="none")(ids)[0]
         from_folder = load(folder, dtype="float32")(ids)[0]
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits[0]
     torch.testing.assert_close(from_folder, from_gguf, rtol=0, atol=0)

@@ -109,7 +109,8 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
         from dspark_ray.engine.memory_budget import check_fits, cuda_pool_tokens  # it imports this module
 
         plan = check_fits(config, tp)
-    model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp)
+    model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp,
+                 quantization=config.quantization)
     kv_tokens = config.kv_tokens if plan is None else cuda_pool_tokens(config, plan, tp)
     taps = DSparkConfig.from_path(config.draft).target_layer_ids if uses_dspark(config) else None
     prefix_block = PREFIX_BLOCK if config.enable_prefix_caching and taps is None else None
@@ -131,7 +132,8 @@ def make_draft_proposer(config: EngineConfig, vocab_limit: int | None,
         model = load_dspark(config.draft, heads, draft_runtime_dtype(config), config.device)
         return DSparkProposer(model, config.capacity, config.max_context, config.spec_tokens, vocab_limit)
     refuse_as_draft(ModelConfig.from_path(config.draft))  # before any weight is read
-    model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device)
+    model = load(config.draft, dtype=draft_runtime_dtype(config), device=config.device,
+                 quantization=config.quantization)
     if config.compile_model:
         compile_model(model)
         warm_up(model, DRAFT_SHAPES)

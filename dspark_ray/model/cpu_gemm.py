@@ -152,11 +152,14 @@ def pack_weights(model: nn.Module) -> nn.Module:
         return model
     owners = [module for module in model.modules() if isinstance(module, Linear)]
     owners += [value for module in model.modules() for value in vars(module).values() if isinstance(value, FusedLinears)]
-    weights = [owner.weight for owner in owners] + ([model.lm_weight] if isinstance(model, CausalLM) else [])
+    # GGUF blocks kept (uint8: dspark_ray/model/quantized.py) keep their own matmul.
+    owners = [owner for owner in owners if owner.weight.dtype == param.dtype]
+    head = isinstance(model, CausalLM) and model.lm_weight.dtype == param.dtype
+    weights = [owner.weight for owner in owners] + ([model.lm_weight] if head else [])
     bf16 = bf16_copies(weights)
     for owner in owners:
         owner.gemm = PackedGemm(owner.weight, bf16)
-    if isinstance(model, CausalLM):
+    if head:
         model.lm_gemm = PackedGemm(model.lm_weight, bf16)
     return model
 

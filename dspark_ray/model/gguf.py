@@ -171,9 +171,33 @@ class GgufTensor:
             values = np.array(values, dtype=np.float32)  # a float tensor comes back as the file's read-only view
         return torch.from_numpy(values)
 
-    def raw(self) -> np.ndarray:
-        """The file's bytes (or values, for float types) of this tensor, rows in file order."""
-        return self._data
+    def block_shape(self, index: Any) -> tuple[int, int] | None:
+        """(rows, bytes a row) of the blocks ``blocks(index)`` returns; None where ``index``'s columns
+        cut a block (that slice is only read dequantized)."""
+        rows, cols = _two_slices(index if index is not None else slice(None), 2)
+        n_rows = len(range(*rows.indices(self.shape[0])))
+        start, stop, step = cols.indices(self.shape[1])
+        block = _block_size(self.qtype)
+        if step != 1 or start % block or stop % block:
+            return None
+        per_block = self._data.shape[1] // (self.shape[1] // block)
+        return n_rows, (stop - start) // block * per_block
+
+    def blocks(self, index: Any = None) -> torch.Tensor:
+        """This rank's slice of the file's blocks, uint8 [rows, bytes a row], rows in Hugging Face order
+        (q/k rows put back as for ``handle[index]``); ``block_shape(index)`` must not be None."""
+        shape = self.block_shape(index)
+        if shape is None or len(self.shape) != 2:
+            raise ValueError(f"{self.name}: {index!r} does not slice whole blocks")
+        rows, cols = _two_slices(index if index is not None else slice(None), 2)
+        start, stop, _ = cols.indices(self.shape[1])
+        block = _block_size(self.qtype)
+        per_block = self._data.shape[1] // (self.shape[1] // block)
+        byte_cols = slice(start // block * per_block, stop // block * per_block)
+        if self._heads is None:
+            return torch.from_numpy(np.array(self._data[rows, byte_cols]))
+        whole = _unpermute(torch.from_numpy(np.array(self._data[:, byte_cols])), self._heads)
+        return whole[rows].contiguous()
 
 
 def _two_slices(index: Any, ndim: int) -> tuple[slice, slice]:
@@ -218,6 +242,7 @@ class GgufCheckpoint:
         self.hf_architecture, permuted = ARCHITECTURES[self.arch]
         self._raw = self._config()
         self._tensors = self._index_tensors(permuted)
+        self._raw["gguf_tensor_types"] = self._tensor_types()
 
     # -- metadata -----------------------------------------------------------------------------
 
@@ -309,10 +334,24 @@ class GgufCheckpoint:
             raise TensorMissing(f"{self.path} has no tensor 'token_embd.weight' and no {self.arch}.vocab_size")
         return int(embd.shape[-1])
 
+    def _tensor_types(self) -> dict[str, list[str]]:
+        """Each weight's block type, by the memory planner's tensor name (a layer's without its
+        ``model.layers.N.`` prefix), one entry per layer: what ``quantization: auto`` keeps is planned
+        at its stored size (``dspark_ray.model.memory``)."""
+        types: dict[str, list[str]] = {}
+        for name, t in self._tensors.items():
+            short = name.split(".", 3)[3] if name.startswith("model.layers.") else name.removeprefix("model.")
+            types.setdefault(short, []).append(t.qtype.name)
+        return types
+
     def config_dict(self) -> dict:
         """The model's settings as a Hugging Face config.json would hold them (a fresh copy)."""
         return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
                 for k, v in self._raw.items()}
+
+    def hf_config(self) -> dict:
+        """``config_dict()`` without the keys of this project's own (what an exported config.json holds)."""
+        return {k: v for k, v in self.config_dict().items() if not k.startswith("gguf_")}
 
     # -- tensors ------------------------------------------------------------------------------
 
@@ -442,6 +481,13 @@ def _read(path: Path) -> Any:
 @functools.lru_cache(maxsize=8)
 def _open_cached(path: str, size: int, mtime_ns: int) -> GgufCheckpoint:
     return GgufCheckpoint(Path(path))
+
+
+def release() -> None:
+    """Forget the files opened so far: their memory maps close once nothing else holds them. The
+    loader calls it when the weights are in place, so that the file's pages it read do not stay
+    resident beside the model's own copy."""
+    _open_cached.cache_clear()
 
 
 def open_checkpoint(path: str | Path) -> GgufCheckpoint:

@@ -119,12 +119,17 @@ class FusedLinears:
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.sizes = [lin.out_features for lin in linears]
+        self.in_features = linears[0].in_features
+        # GGUF blocks kept (dspark_ray/model/quantized.py): uint8 rows, stacked the same way.
+        self.qtype = getattr(linears[0], "qtype", None)
         self.weight = torch.cat([lin.weight.detach() for lin in linears])
         has_bias = [lin.bias is not None for lin in linears]
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
         start = 0
         for lin, n in zip(linears, self.sizes):
-            lin.weight = nn.Parameter(self.weight[start:start + n], requires_grad=False)
+            rows = self.weight[start:start + n]
+            # A parameter stays a parameter; kept blocks are a buffer and stay one.
+            lin.weight = nn.Parameter(rows, requires_grad=False) if isinstance(lin.weight, nn.Parameter) else rows
             if self.bias is not None:
                 lin.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
             start += n
@@ -144,13 +149,20 @@ def fuse_projections(model: CausalLM) -> CausalLM:
         attn, mlp = layer.self_attn, layer.ffn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj] if isinstance(attn, SelfAttention) else []  # not MLA
         # All with a bias or none, and none with a matmul of its own (an FP8 weight, dspark_ray/model/fp8.py).
-        if linears and len({lin.bias is None for lin in linears}) == 1 and all(lin.gemm is None for lin in linears):
+        if linears and len({lin.bias is None for lin in linears}) == 1 and _fusable(linears):
             attn.fused_qkv = FusedLinears(linears)
         if isinstance(mlp, SparseMoE):
             mlp.stack_experts()
-        elif mlp.gate_proj.gemm is None and mlp.up_proj.gemm is None:
+        elif _fusable([mlp.gate_proj, mlp.up_proj]):
             mlp.fused_gate_up = FusedLinears([mlp.gate_proj, mlp.up_proj])
     return model
+
+
+def _fusable(linears: list[nn.Linear]) -> bool:
+    """Linears that can be one matmul: none with a matmul of its own yet, one dtype, and for GGUF
+    blocks kept (dspark_ray/model/quantized.py) one block type."""
+    return (all(lin.gemm is None for lin in linears) and len({lin.weight.dtype for lin in linears}) == 1
+            and len({getattr(lin, "qtype", None) for lin in linears}) == 1)
 
 
 class SelfAttention(nn.Module):

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dspark_ray.model.checkpoint import is_gguf, locate, tensor_handles
 from dspark_ray.model.config import ModelConfig
+from dspark_ray.model.gguf import release as release_gguf
 from dspark_ray.model.errors import (
     CheckpointFileMissing,
     ModelLoadError,
@@ -35,10 +36,13 @@ from dspark_ray.model.cpu_gemm import pack_weights
 from dspark_ray.model.fp8 import Fp8Checkpoint, refuse_unscaled_float8
 from dspark_ray.model.llama import CausalLM, fuse_projections
 from dspark_ray.model.moe import Router
+from dspark_ray.model.quantized import attach_gemms, keep_blocks
 from dspark_ray.model.rope import rope_inv_freq
 from dspark_ray.model.tp import TensorParallel, shard, shard_slice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# GGUF weights: "auto" keeps the file's blocks where a kernel reads them, "none" dequantizes all.
+QUANTIZATION_MODES = ("auto", "none")
 
 # Tensors some checkpoints carry that this implementation recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -110,6 +114,7 @@ def load(
     device: str | torch.device = "cpu",
     tp: TensorParallel | None = None,
     pack: bool = True,
+    quantization: str = "auto",
 ) -> CausalLM:
     """Load the checkpoint folder at ``path`` as an eval-mode ``CausalLM``.
 
@@ -122,7 +127,11 @@ def load(
         tp: this process's tensor-parallel rank; it then reads only its slices.
         pack: on CPU, run the linears on oneDNN-prepacked weights (``cpu_gemm``); False keeps
             torch's own matmul.
+        quantization: for a GGUF file, "auto" keeps the file's blocks wherever a kernel reads them
+            (``dspark_ray.model.quantized``), "none" dequantizes every weight into ``dtype``.
     """
+    if quantization not in QUANTIZATION_MODES:
+        raise ModelLoadError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     path = locate(path)
     gguf = is_gguf(path)
     if not gguf and not path.is_dir():
@@ -142,12 +151,19 @@ def load(
     fp8 = None if gguf else Fp8Checkpoint.open(path, files, model)  # None unless config.json has a quantization_config
     if fp8 is not None:
         fp8.keep_quantized(model, device, dtype)  # CUDA: FP8 weights and scaled matmuls where they run
+    kept: set[str] = set()
+    if gguf and quantization == "auto":  # the file's blocks where a kernel reads them
+        kept = keep_blocks(model, dict(tensor_handles(path)), device, dtype)
     model = model.to_empty(device=device)
     # Rotary frequencies stay float32 whatever the weights' dtype: in bfloat16
     # they carry 3 significant digits and angles drift visibly by position ~100.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    _fill_parameters(model, tensor_handles(path), path, fp8)
+    _fill_parameters(model, tensor_handles(path), path, fp8, kept)
     model = fuse_projections(model.eval().requires_grad_(False))
+    if kept:
+        attach_gemms(model)
+    if gguf:
+        release_gguf()  # the model holds its own copy now; the file's mapped pages may go
     return pack_weights(model) if pack else model
 
 
@@ -161,9 +177,12 @@ def _keep_routers_float32(model: CausalLM) -> None:
 
 
 def _fill_parameters(model: CausalLM, tensors: Iterable[tuple[str, Any]], path: Path,
-                     fp8: Fp8Checkpoint | None = None) -> None:
-    """Copy every checkpoint tensor (``tensors``: name and a slice handle) into its parameter."""
+                     fp8: Fp8Checkpoint | None = None, kept: set[str] = frozenset()) -> None:
+    """Copy every checkpoint tensor (``tensors``: name and a slice handle) into its parameter, or for
+    GGUF blocks kept (``kept``) this rank's blocks into the module's uint8 buffer."""
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    params.update({name: buffers[name] for name in kept})
     pending = set(params)
     with tqdm(total=len(params), unit="tensor", desc=f"loading {path.name}",
               disable=None if model.config.num_layers * model.config.hidden_size > 2**17 else True) as bar:
@@ -177,7 +196,11 @@ def _fill_parameters(model: CausalLM, tensors: Iterable[tuple[str, Any]], path: 
                     f"checkpoint tensor {name!r} has no place in {model.config.architecture}; "
                     "check that config.json matches the weights"
                 )
-            _copy_param(model, name, params[name], tensor, tuple(tensor.get_shape()), fp8)
+            if name in kept:
+                with torch.no_grad():
+                    params[name].copy_(tensor.blocks(shard_slice(model, name, tuple(tensor.get_shape()))))
+            else:
+                _copy_param(model, name, params[name], tensor, tuple(tensor.get_shape()), fp8)
             pending.discard(name)
             bar.update(1)
     if pending:

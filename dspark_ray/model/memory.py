@@ -53,6 +53,10 @@ COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 FITS, KV_LIMITED, DOES_NOT_FIT = "fits", "kv-limited", "does not fit"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FP8_SCALE_BYTES = 4  # one float32 scale (weight_scale_inv) per weight block
+# GGUF block types: (weights, bytes) per block (ggml's layouts), and those whose blocks a kernel reads on
+# each device, so that quantization auto keeps them (dspark_ray/model/quantized.py, dspark_kernels.quant).
+GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+GGUF_KEPT = {"cpu": frozenset(GGUF_BLOCKS), "cuda": frozenset({"Q8_0", "Q4_0", "Q4_1"})}
 ALLOCATOR_BYTES_PER_TOKEN = 9  # the KV allocator's int64 free stack and bool free mask (slots/req_to_token.py)
 TABLE_BYTES_PER_POSITION = 4  # the request-to-token table: int32 [capacity + 1, max_context]
 # Per process, beyond its tensors. CUDA: the context (~0.5 GB), cuBLAS workspaces, NCCL buffers.
@@ -413,6 +417,8 @@ class Checkpoint:
     dtype: str
     fp8: FP8 | None = None
     name: str = ""
+    # A GGUF file's weights kept as blocks: tensor name -> the block type of each copy (layer).
+    gguf_kept: dict[str, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -423,8 +429,8 @@ class Checkpoint:
            name: str = "") -> Checkpoint:
         """``dtype`` auto: float32 on CPU, the checkpoint's on CUDA (engine/local.runtime_dtype).
         ``quantization``: auto keeps FP8 weights FP8 on CUDA and dequantizes them on CPU, as the
-        loader does; fp8 plans FP8 blocks of 128 x 128 (or the checkpoint's); none plans every
-        weight in ``dtype``."""
+        loader does, and a GGUF file's blocks where a kernel reads them on ``device``; fp8 plans FP8
+        blocks of 128 x 128 (or the checkpoint's); none plans every weight in ``dtype``."""
         arch = architecture(raw)
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else arch.dtype
@@ -432,7 +438,11 @@ class Checkpoint:
         if quantization not in choices:
             raise ValueError(f"quantization must be auto, fp8 or none, got {quantization!r}")
         fp8 = choices[quantization]
-        return cls(arch, dtype if dtype in DTYPE_BYTES else "bfloat16", fp8, name or arch.name)
+        kept = None
+        if raw.get("gguf_tensor_types") and quantization == "auto":  # a GGUF file (dspark_ray/model/gguf.py)
+            keep = GGUF_KEPT.get(device, frozenset())
+            kept = {t: types for t, types in raw["gguf_tensor_types"].items() if all(q in keep for q in types)}
+        return cls(arch, dtype if dtype in DTYPE_BYTES else "bfloat16", fp8, name or arch.name, kept or None)
 
     @property
     def act_bytes(self) -> int:
@@ -443,7 +453,9 @@ class Checkpoint:
         total = 0
         for t in self.arch.tensors:
             rows, cols = t.on_rank(tp)
-            if self.fp8 is not None and self.fp8.applies(t):
+            if self.gguf_kept is not None and t.name in self.gguf_kept:  # its blocks, as the file stores them
+                total += sum(rows * cols * GGUF_BLOCKS[q][1] // GGUF_BLOCKS[q][0] for q in self.gguf_kept[t.name])
+            elif self.fp8 is not None and self.fp8.applies(t):
                 total += t.copies * (rows * cols + self.fp8.scales(rows, cols) * FP8_SCALE_BYTES)
             else:
                 total += t.copies * rows * cols * self.act_bytes
