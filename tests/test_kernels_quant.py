@@ -7,6 +7,9 @@
   this CPU and built portably (no -march: the scalar decoders, no F16C).
 - The int8 path equals its own reference (the integer dot products exact) and stays within half an
   int8 step of x from the float path.
+- On 1, 2 or 3 threads (the C library's pool) every row is the same bits, and the workers really
+  computed some of them; two Python threads may call at once; a forked child computes the same; the
+  workers take the caller's floating-point mode; an idle process that has used the pool burns no CPU.
 - Tensor-parallel slices cut on block boundaries only, and compute their share of the full matmul.
 - The shipped SmolLM2 GGUF file's tensors, as GGUFReader hands them over, go in as they are.
 - The Triton kernel, in the interpreter, equals the reference.
@@ -15,7 +18,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +317,158 @@ def test_int8_path_says_whether_it_runs_on_vnni():
     assert quant.int8_native() == has
 
 
+# ---- threads ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pool():
+    """The C library, its thread count set back to 1 afterwards."""
+    yield quant._library()
+    quant.set_threads(1)
+
+
+def on_threads(gemm: quant.QuantGemm, x: torch.Tensor, threads: int, lib) -> tuple[torch.Tensor, int]:
+    """gemm(x) on `threads` threads, and how many runs of rows the workers computed in that call."""
+    quant.set_threads(threads)
+    before = lib.dspark_quant_pool_worker_runs()
+    y = gemm(x)
+    return y, lib.dspark_quant_pool_worker_runs() - before
+
+
+def until_workers_run(call, want: torch.Tensor, lib, tries: int = 500) -> None:
+    """call() again and again, each time equal to `want` bit for bit, until the pool's workers have
+    computed some rows (on a loaded box a worker may not get a core before a short call is over: its
+    caller then computes every row)."""
+    before = lib.dspark_quant_pool_worker_runs()
+    for _ in range(tries):
+        assert torch.equal(call(), want)
+        if lib.dspark_quant_pool_worker_runs() > before:
+            return
+    raise AssertionError(f"the workers computed no rows in {tries} calls")
+
+
+@needs_c
+@pytest.mark.parametrize("qtype, int8", [(t, False) for t in ALL_TYPES] + [(t, True) for t in quant.INT8_TYPES])
+def test_each_row_is_its_own_whatever_the_threads(pool, qtype, int8):
+    """Output rows are split among threads, each row computed whole by one of them with the code one
+    thread runs: the same bits on 1, 2 and 3 threads (3: more threads than this box has cores), alone
+    or in a batch. The workers must have computed some rows, or the test proved nothing."""
+    w = weight(qtype, 2000, 512 if block_k(qtype) > 32 else 576, seed=3)
+    gemm = quant.QuantGemm(w, int8=int8)
+    x = torch.randn(33, w.in_features, generator=torch.Generator().manual_seed(4))
+    quant.set_threads(1)
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(33)])
+    for threads in (2, 3, 1, 2):
+        for m in (1, 2, 5, 33):
+            y, runs = on_threads(gemm, x[:m], threads, pool)
+            assert torch.equal(y, alone[:m]), (threads, m)
+            assert threads > 1 or runs == 0
+        assert quant.get_threads() == threads
+        assert pool.dspark_quant_pool_workers() == threads - 1
+    until_workers_run(lambda: on_threads(gemm, x[:5], 2, pool)[0], alone[:5], pool)
+
+
+@needs_c
+def test_small_calls_keep_to_the_calling_thread(pool):
+    """A call too small to be worth a hand-off runs on its caller: the workers compute nothing."""
+    gemm = quant.QuantGemm(weight(quant.Q4_1, 16, 576))
+    x = torch.randn(1, 576)
+    assert sum(on_threads(gemm, x, 2, pool)[1] for _ in range(20)) == 0
+
+
+def test_set_threads_refuses_what_it_cannot_run():
+    """Checked in Python, kernels built or not; with the kernels off there is nothing to set."""
+    for n in (0, -1, 65):
+        with pytest.raises(quant.QuantError, match="1 to 64 threads"):
+            quant.set_threads(n)
+    if quant._library() is None:
+        quant.set_threads(2)
+        assert quant.get_threads() == 1
+
+
+@needs_c
+def test_two_python_threads_call_at_once(pool):
+    """Two threads calling kernels together: one runs on the pool, the other, finding it busy, on its
+    own thread; both get the single-threaded bits."""
+    ws = [weight(quant.Q4_1, 3000, 576, seed=s) for s in (1, 2)]
+    gemms = [quant.QuantGemm(ws[0]), quant.QuantGemm(ws[1], int8=True)]
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
+    quant.set_threads(1)
+    want = [g(x) for g in gemms]
+    quant.set_threads(2)
+    errors: list[str] = []
+
+    def hammer(i: int) -> None:
+        for _ in range(100):
+            if not torch.equal(gemms[i](x), want[i]):
+                errors.append(f"thread {i}")
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@needs_c
+def test_a_forked_child_computes_the_same(pool):
+    """The parent's workers do not exist in a forked child; the child starts its own at its first call."""
+    gemm = quant.QuantGemm(weight(quant.Q4_1, 3000, 576, seed=6))
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(7))
+    quant.set_threads(1)
+    want = gemm(x)
+    quant.set_threads(2)
+    assert torch.equal(gemm(x), want) and pool.dspark_quant_pool_workers() == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and leave at once (no pytest, no exit handlers of the parent's)
+        ok = all(torch.equal(gemm(x), want) for _ in range(20)) and pool.dspark_quant_pool_workers() == 1
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    reply = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert reply == b"1"
+
+
+@needs_c
+def test_workers_take_the_callers_floating_point_mode(pool):
+    """With flush-to-zero set on the calling thread (torch.set_flush_denormal), rows computed by
+    workers flush as the caller's do: the same bits on 1 and 2 threads, and not the bits without it
+    (there are subnormal products to flush)."""
+    gemm = quant.QuantGemm(weight(quant.Q8_0, 3000, 576, seed=8))
+    x = torch.full((1, 576), 2.0**-120)  # x * w (|w| < 0.02 * 127) is subnormal in float32
+    quant.set_threads(1)
+    plain = gemm(x)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        quant.set_threads(1)
+        flushed = gemm(x)
+        until_workers_run(lambda: on_threads(gemm, x, 2, pool)[0], flushed, pool)
+    finally:
+        torch.set_flush_denormal(False)
+    assert not torch.equal(flushed, plain)
+
+
+@needs_c
+def test_an_idle_process_burns_no_cpu(pool):
+    """After a burst of calls the workers spin a fraction of a millisecond, then sleep: a process that
+    has used the pool and then waits uses (almost) no CPU, all its threads counted."""
+    gemm = quant.QuantGemm(weight(quant.Q4_1, 3000, 576))
+    x = torch.randn(1, 576)
+    quant.set_threads(2)
+    for _ in range(50):
+        gemm(x)
+    assert pool.dspark_quant_pool_workers() == 1
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    time.sleep(0.5)
+    used = time.process_time() - cpu_before
+    assert used < 0.02 * (time.perf_counter() - wall_before), f"{used:.3f} s of CPU in 0.5 s asleep"
+
+
 # ---- the portable build ------------------------------------------------------------------------------------
 
 
@@ -322,9 +480,12 @@ def portable(tmp_path_factory):
         pytest.skip("no C compiler here")
     path = tmp_path_factory.mktemp("portable") / "quant_gemm.so"
     source = Path(cpu.__file__).with_name("csrc") / "quant_gemm.c"
-    subprocess.run([cc, "-O3", "-std=gnu11", "-fPIC", "-shared", str(source), "-o", str(path), "-lm"], check=True)
+    subprocess.run([cc, "-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", str(source), "-o", str(path), "-lm"],
+                   check=True)
     lib = ctypes.CDLL(str(path))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dspark_quant_set_threads.argtypes = [i32]
+    lib.dspark_quant_pool_worker_runs.restype = i64
     lib.dspark_quant_gemm_f32.argtypes = [p, i64, i64, p, i64, i64, i32, p, p]
     lib.dspark_quant_gemm_q8act.argtypes = [p, i64, i64, p, i64, i64, i32, p, p, p]
     lib.dspark_quant_gemm_q8act_native.restype = i32
@@ -333,17 +494,26 @@ def portable(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
 def test_portable_build_is_correct(portable, qtype):
-    w = with_odd_scales(weight(qtype, 37, 2 * block_k(qtype), seed=9))
+    """The scalar decoders give the float32 matmul; on two threads, the same bits."""
+    w = with_odd_scales(weight(qtype, 600, 2 * block_k(qtype), seed=9))
     x = torch.randn(6, w.in_features, generator=torch.Generator().manual_seed(10))
-    y = torch.empty(6, w.out_features)
-    args = (x.data_ptr(), 6, w.in_features, w.blocks.data_ptr(), w.out_features, w.row_bytes, qtype, None, y.data_ptr())
-    assert portable.dspark_quant_gemm_f32(*args) == 0
+
+    def call(entry, threads: int, *scratch) -> torch.Tensor:
+        assert portable.dspark_quant_set_threads(threads) == 0
+        y = torch.empty(6, w.out_features)
+        assert entry(x.data_ptr(), 6, w.in_features, w.blocks.data_ptr(), w.out_features, w.row_bytes, qtype, None,
+                     y.data_ptr(), *scratch) == 0
+        return y
+
+    y = call(portable.dspark_quant_gemm_f32, 1)
     FloatOracle(x, w).check(y)
+    until_workers_run(lambda: call(portable.dspark_quant_gemm_f32, 2), y, portable)
     if qtype in quant.INT8_TYPES:
         assert portable.dspark_quant_gemm_q8act_native() == 0
-        assert portable.dspark_quant_gemm_q8act(*args, None) == 0
-        scale = abs_products(x, w)
-        assert torch.all((y - quant.reference_int8(x, w)).double().abs() <= 1e-5 * scale + 1e-30)
+        y8 = call(portable.dspark_quant_gemm_q8act, 1, None)
+        assert torch.all((y8 - quant.reference_int8(x, w)).double().abs() <= 1e-5 * abs_products(x, w) + 1e-30)
+        until_workers_run(lambda: call(portable.dspark_quant_gemm_q8act, 2, None), y8, portable)
+    portable.dspark_quant_set_threads(1)
 
 
 # ---- the Triton kernel (interpreter) ---------------------------------------------------------------------------

@@ -339,6 +339,28 @@ def quant_matmul_int8(
     return QuantGemm(weight, int8=True)(x, bias)
 
 
+def set_threads(n: int) -> None:
+    """Run each big enough quantized matmul on ``n`` threads: the calling one and ``n - 1`` workers of
+    the C library's own pool (csrc/quant_gemm.c; not OpenMP), which it starts at the first call that
+    wants them and which sleep when idle. ``n`` is meant to be the process's torch thread count. Each
+    output row is computed whole by one thread, so results are the same bits for every ``n``.
+    Nothing to do where the C kernels are off or not built.
+
+    Raises:
+      QuantError: n is not between 1 and 64."""
+    if not 1 <= n <= 64:
+        raise QuantError(f"set_threads takes 1 to 64 threads, got {n}")
+    lib = _library()
+    if lib is not None:
+        lib.dspark_quant_set_threads(n)
+
+
+def get_threads() -> int:
+    """The threads a big quantized matmul runs on (``set_threads``; 1 until it is called)."""
+    lib = _library()
+    return 1 if lib is None else lib.dspark_quant_get_threads()
+
+
 def int8_native() -> bool:
     """Whether quant_matmul_int8 runs on AVX512-VNNI here (else a portable scalar loop, or the reference)."""
     lib = _library()
@@ -412,6 +434,13 @@ def _library() -> ctypes.CDLL | None:
     lib.dspark_quant_gemm_q8act_scratch.restype = i64
     lib.dspark_quant_gemm_q8act_native.argtypes = []
     lib.dspark_quant_gemm_q8act_native.restype = i32
+    lib.dspark_quant_set_threads.argtypes = [i32]
+    lib.dspark_quant_set_threads.restype = i32
+    for name in ("dspark_quant_get_threads", "dspark_quant_pool_workers"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = i32
+    lib.dspark_quant_pool_worker_runs.argtypes = []
+    lib.dspark_quant_pool_worker_runs.restype = i64
     return lib
 
 

@@ -27,15 +27,28 @@
  * accumulator. Faster, and as accurate as x's rounding to int8 (about 1e-3 relative; see quant.py):
  * a separate entry point, not the float path.
  *
+ * Threads (dspark_quant_set_threads): a call big enough is split by OUTPUT rows among the calling
+ * thread and a small pool of pthreads of this library's own (not OpenMP: PyTorch's wheel carries its
+ * libgomp, and a second OpenMP runtime in the process would fight it for the cores). Every output
+ * row is computed whole by one thread, by the same code as with one thread, so its bits depend on
+ * neither the thread count nor the batch. The pool is described where it is defined, below.
+ *
  * Plain C with GCC/Clang vector extensions for the arithmetic, and AVX-512 intrinsics (guarded by
  * __AVX512F__ etc.) for the decoders; without them a portable scalar decoder gives the same floats
- * and the int8 path a scalar loop. Single-threaded: the torch process calls it from one thread
- * (built without -fopenmp; ctypes drops the GIL during a call, so a caller may run disjoint ranges
- * of output rows on two threads). Built and loaded by dspark_kernels/cpu.py.
+ * and the int8 path a scalar loop. Built and loaded by dspark_kernels/cpu.py.
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
@@ -317,28 +330,290 @@ static int type_info(int qtype, const StreamTile **stream, int64_t *block, int64
     }
 }
 
-static void add_bias(float *y, int64_t M, int64_t N, const float *bias) {
+/* ---- the thread pool ---------------------------------------------------------------------------------
+ *
+ * NOTE: a job is "compute output rows 0..rows of one call", cut into `chunks` runs of `chunk` rows
+ * (whole PANELs). The calling thread opens the job, and it and every worker that joins in time
+ * claim runs from one atomic counter until none is left; each run is computed by the code a
+ * single-threaded call runs, so no row's bits depend on who computed it or on how many did. A
+ * worker that is slow to wake (asleep, or its core lent to another process) costs nothing: the
+ * caller takes the runs it would have taken. The caller then closes the job and waits only for
+ * the workers that joined it.
+ *
+ * state packs the job's generation (high 32 bits), CLOSED, and how many workers joined (low bits).
+ * A worker joins by a compare-and-swap on it, only while it is open and of the generation it saw,
+ * so a worker that wakes after its job was closed never reads the next job's fields half written.
+ *
+ * Idle workers spin (pause) for SPIN_NS, so that the ~200 calls of a decode step, a few to a few
+ * hundred microseconds apart, find them awake; then they sleep on a condition variable, so that an
+ * idle server burns no CPU. Workers start at the first call that wants them, stop at exit (atexit)
+ * or when the thread count changes, and a forked child starts its own afresh (pthread_atfork). One
+ * job at a time: a call that finds the pool busy (another thread's call) runs on its own thread. */
+
+#define MAX_THREADS 64
+#define CLOSED (1ull << 31)
+#define JOINED_MASK (CLOSED - 1)
+#ifndef SPIN_NS
+#define SPIN_NS 200000 /* a worker's spin before it sleeps (measured: bench/quant_gemm.py --spin) */
+#endif
+#ifndef MIN_PARALLEL_WORK
+#define MIN_PARALLEL_WORK 24576 /* weight bytes x passes of ROWS below which a call keeps to its thread */
+#endif
+#ifndef CHUNK_WORK
+#define CHUNK_WORK 32768 /* weight bytes x passes of a run, at least (a run is whole PANELs) */
+#endif
+#define RUNS_PER_THREAD 4 /* runs a thread, at most: enough to even out a late or slow one */
+
+/* Computes output rows n0..n1 of the call `args` describes. */
+typedef void (*RowsFn)(const void *args, int64_t n0, int64_t n1);
+
+static struct {
+    pthread_mutex_t lock; /* held by the thread whose call runs on the pool */
+    pthread_mutex_t sleep_lock;
+    pthread_cond_t wake;
+    _Atomic uint64_t state;  /* generation << 32 | CLOSED | joined */
+    _Atomic int64_t next;    /* the next run to claim */
+    _Atomic int64_t left;    /* joined workers that have finished */
+    _Atomic int sleepers;    /* workers asleep on wake */
+    _Atomic int stop;
+    _Atomic int64_t worker_runs; /* runs computed by workers, ever: what tests check the pool ran by */
+    RowsFn fn; /* the job: written by the caller while no worker is in a job */
+    const void *args;
+    int64_t rows, chunk, chunks;
+    unsigned csr; /* the caller's MXCSR (rounding, flush-to-zero), which workers take on */
+    _Atomic int threads; /* wanted, the caller included */
+    int started;  /* workers running */
+    int hooked;   /* atexit and pthread_atfork registered */
+    pthread_t tid[MAX_THREADS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, .threads = 1};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline unsigned get_csr(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    return _mm_getcsr();
+#else
+    return 0;
+#endif
+}
+
+static inline void set_csr(unsigned csr) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (_mm_getcsr() != csr) _mm_setcsr(csr);
+#else
+    (void)csr;
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline uint32_t generation(uint64_t state) { return (uint32_t)(state >> 32); }
+
+/* Claims and computes runs of the open job until none is left; returns how many it computed. */
+static int64_t run_chunks(void) {
+    for (int64_t done = 0;; ++done) {
+        const int64_t c = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed);
+        if (c >= pool.chunks) return done;
+        const int64_t n0 = c * pool.chunk, n1 = n0 + pool.chunk < pool.rows ? n0 + pool.chunk : pool.rows;
+        pool.fn(pool.args, n0, n1);
+    }
+}
+
+/* The state once its generation is not `seen` (or the pool stops): spinning, then asleep. */
+static uint64_t wait_job(uint32_t seen) {
+    int64_t deadline = 0;
+    for (unsigned i = 1;; ++i) {
+        const uint64_t s = atomic_load_explicit(&pool.state, memory_order_acquire);
+        if (generation(s) != seen || atomic_load_explicit(&pool.stop, memory_order_relaxed)) return s;
+        if (i % 64 == 0) { /* ~2 us of pauses: the clock, and the core to any other thread that wants it */
+            const int64_t t = now_ns();
+            if (deadline == 0)
+                deadline = t + SPIN_NS;
+            else if (t > deadline)
+                break;
+            sched_yield();
+        }
+        cpu_relax();
+    }
+    /* The caller stores state, then reads sleepers; here sleepers is raised, then state read (both
+     * sequentially consistent): one of the two sees the other, so no wake-up is lost. */
+    uint64_t s;
+    pthread_mutex_lock(&pool.sleep_lock);
+    atomic_fetch_add(&pool.sleepers, 1);
+    while (generation(s = atomic_load(&pool.state)) == seen && !atomic_load(&pool.stop))
+        pthread_cond_wait(&pool.wake, &pool.sleep_lock);
+    atomic_fetch_sub(&pool.sleepers, 1);
+    pthread_mutex_unlock(&pool.sleep_lock);
+    return s;
+}
+
+static void *worker(void *arg) {
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
+    for (;;) {
+        uint64_t s = wait_job(seen);
+        if (atomic_load(&pool.stop)) return NULL;
+        seen = generation(s);
+        int joined = 0;
+        while (!joined && generation(s) == seen && !(s & CLOSED))
+            joined = atomic_compare_exchange_weak(&pool.state, &s, s + 1);
+        if (!joined) continue; /* closed before this worker came: the caller did its share */
+        set_csr(pool.csr);
+        atomic_fetch_add_explicit(&pool.worker_runs, run_chunks(), memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.left, 1, memory_order_release);
+    }
+}
+
+static void wake_all(void) {
+    pthread_mutex_lock(&pool.sleep_lock);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep_lock);
+}
+
+/* Stops and joins the workers (pool.lock held). */
+static void stop_workers(void) {
+    if (pool.started == 0) return;
+    atomic_store(&pool.stop, 1);
+    wake_all();
+    for (int i = 0; i < pool.started; ++i) pthread_join(pool.tid[i], NULL);
+    pool.started = 0;
+    atomic_store(&pool.stop, 0);
+}
+
+static void at_exit(void) {
+    if (pthread_mutex_trylock(&pool.lock) != 0) return; /* a call still running at exit: leave it be */
+    stop_workers();
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* fork: the child has none of the parent's workers; it starts its own at its first call. */
+static void before_fork(void) { pthread_mutex_lock(&pool.lock); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&pool.lock); }
+static void after_fork_child(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.sleep_lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.stop, 0);
+    pool.started = 0;
+}
+
+/* Starts workers up to threads - 1 (pool.lock held), with every signal blocked (Python's handlers
+ * run on its main thread). Fewer if the system refuses: the caller takes their share. */
+static void start_workers(void) {
+    if (!pool.hooked) {
+        atexit(at_exit);
+        pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+        pool.hooked = 1;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    const uint32_t seen = generation(atomic_load(&pool.state));
+    while (pool.started < pool.threads - 1 &&
+           pthread_create(&pool.tid[pool.started], NULL, worker, (void *)(uintptr_t)seen) == 0)
+        ++pool.started;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* fn(args, n0, n1) over rows 0..N of a call whose work (weight bytes x passes) is `work`: on the
+ * pool when it is big enough and the pool free, else on this thread, rows in order. */
+static void run_rows(RowsFn fn, const void *args, int64_t N, int64_t work) {
+    if (pool.threads < 2 || work < MIN_PARALLEL_WORK || N <= PANEL || pthread_mutex_trylock(&pool.lock) != 0) {
+        fn(args, 0, N);
+        return;
+    }
+    if (pool.started < pool.threads - 1) start_workers();
+    const int threads = pool.started + 1;
+    const int64_t panels = (N + PANEL - 1) / PANEL, per_panel = work / panels + 1;
+    int64_t chunk = (CHUNK_WORK + per_panel - 1) / per_panel; /* panels a run */
+    const int64_t fewest = (panels + threads * RUNS_PER_THREAD - 1) / (threads * RUNS_PER_THREAD);
+    if (chunk < fewest) chunk = fewest;
+    pool.fn = fn, pool.args = args, pool.rows = N, pool.chunk = chunk * PANEL;
+    pool.chunks = (panels + chunk - 1) / chunk;
+    pool.csr = get_csr();
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.left, 0, memory_order_relaxed);
+    const uint64_t open = (uint64_t)(generation(atomic_load(&pool.state)) + 1) << 32;
+    atomic_store(&pool.state, open);
+    if (atomic_load(&pool.sleepers) > 0) wake_all();
+    run_chunks();
+    const int64_t joined = (int64_t)(atomic_fetch_or(&pool.state, CLOSED) & JOINED_MASK);
+    for (unsigned i = 1; atomic_load_explicit(&pool.left, memory_order_acquire) < joined; ++i)
+        if (i % 1024 == 0) /* a joined worker lost its core mid-run: let it have this one */
+            sched_yield();
+        else
+            cpu_relax();
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Threads a big call runs on, the caller included (1: every call on its caller's thread). */
+int dspark_quant_set_threads(int n) {
+    if (n < 1 || n > MAX_THREADS) return -1;
+    pthread_mutex_lock(&pool.lock);
+    if (n != pool.threads) {
+        stop_workers();
+        pool.threads = n;
+    }
+    pthread_mutex_unlock(&pool.lock);
+    return 0;
+}
+
+int dspark_quant_get_threads(void) { return pool.threads; }
+
+/* Workers running now (they start at the first call that wants them). */
+int dspark_quant_pool_workers(void) { return pool.started; }
+
+/* Runs of rows the workers have computed since the library was loaded. */
+int64_t dspark_quant_pool_worker_runs(void) { return atomic_load(&pool.worker_runs); }
+
+static void add_bias(float *y, int64_t M, int64_t N, int64_t n0, int64_t n1, const float *bias) {
     if (bias != NULL)
         for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+            for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+}
+
+/* One float-path call, as its output rows are computed. */
+typedef struct {
+    const float *x, *bias;
+    int64_t M, K, N, row_bytes;
+    const uint8_t *w;
+    const StreamTile *stream;
+    float *y;
+} F32Call;
+
+/* Output rows n0..n1 (panels of PANEL, each swept by passes of ROWS rows of x), bias added. */
+static void f32_rows(const void *args, int64_t n0, int64_t n1) {
+    const F32Call *c = args;
+    for (int64_t p = n0; p < n1; p += PANEL) {
+        const int64_t width = n1 - p < PANEL ? n1 - p : PANEL;
+        for (int64_t m0 = 0; m0 < c->M; m0 += ROWS) {
+            const int rows = c->M - m0 < ROWS ? (int)(c->M - m0) : ROWS;
+            c->stream[rows](c->x + m0 * c->K, c->K, c->w + p * c->row_bytes, c->row_bytes, width, c->y + m0 * c->N + p,
+                            c->N);
+        }
+    }
+    add_bias(c->y, c->M, c->N, n0, n1, c->bias);
 }
 
 /* y [M, N] = x [M, K] @ dequantize(W [N, row_bytes])^T (+ bias [N] if not NULL), float32.
  * Returns 0, or -1 for a type it does not take, -2 for a K or row_bytes that does not fit it. */
 int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                           int qtype, const float *bias, float *y) {
-    const StreamTile *stream;
+    F32Call c = {x, bias, M, K, N, row_bytes, w, NULL, y};
     int64_t block, bytes;
-    if (!type_info(qtype, &stream, &block, &bytes)) return -1;
+    if (!type_info(qtype, &c.stream, &block, &bytes)) return -1;
     if (K % block != 0 || row_bytes != K / block * bytes) return -2;
-    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
-        const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            stream[rows](x + m0 * K, K, w + n0 * row_bytes, row_bytes, width, y + m0 * N + n0, N);
-        }
-    }
-    add_bias(y, M, N, bias);
+    run_rows(f32_rows, &c, N, N * row_bytes * ((M + ROWS - 1) / ROWS));
     return 0;
 }
 
@@ -427,6 +702,15 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int qtype, uint8_t 
             }
         }
 }
+
+/* One int8-path call, x already in records, as its output rows are computed. */
+typedef struct {
+    const uint8_t *records, *w;
+    int64_t M, K, N, row_bytes, size;
+    int qtype;
+    const float *bias;
+    float *y;
+} Int8Call;
 
 #if defined(QG_VNNI)
 /* One group of a weight row, decoded: q as unsigned bytes in the records' order, d (and m) a lane. */
@@ -545,9 +829,11 @@ INT8_TILES(q4_0, group_q4, apply_q4_0, 18, 4)
 INT8_TILES(q4_1, group_q4, apply_q4_1, 20, 4)
 INT8_TILES(q8_0, group_q8, apply_q8_0, 34, 2)
 
-static void int8_gemm(const uint8_t *records, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
-                      int qtype, int64_t size, float *y) {
-    const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+/* Output rows n0..n1 of the call c (panels of PANEL, each swept by passes of ROWS rows of x). */
+static void int8_gemm(const Int8Call *c, int64_t n0, int64_t n1) {
+    const int qtype = c->qtype;
+    const int64_t M = c->M, N = c->N, size = c->size, row_bytes = c->row_bytes;
+    const int64_t blocks = c->K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
     const Int8Tile *tiles = qtype == Q8_0 ? int8_q8_0 : qtype == Q4_1 ? int8_q4_1 : int8_q4_0;
     __m512i idx_qs, idx_hdr;
     if (qtype == Q8_0) {
@@ -559,23 +845,25 @@ static void int8_gemm(const uint8_t *records, int64_t M, int64_t K, const uint8_
         /* f16 lanes 0..15: d of block lane / 4; 16..31: m of block (lane - 16) / 4 */
         idx_hdr = IDX(((i / 2) % 16 / 4) * size + (i / 32) * 2 + i % 2);
     }
-    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
-        const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int64_t p = n0; p < n1; p += PANEL) {
+        const int64_t width = n1 - p < PANEL ? n1 - p : PANEL;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            tiles[rows](records + m0 * groups * RECORD, groups, blocks, w + n0 * row_bytes, row_bytes, width, idx_qs,
-                        idx_hdr, y + m0 * N + n0, N);
+            tiles[rows](c->records + m0 * groups * RECORD, groups, blocks, c->w + p * row_bytes, row_bytes, width,
+                        idx_qs, idx_hdr, c->y + m0 * N + p, N);
         }
     }
 }
 
 #else /* portable: one block at a time */
 
-static void int8_gemm(const uint8_t *records, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
-                      int qtype, int64_t size, float *y) {
-    const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
-    for (int64_t r = 0; r < M; ++r)
-        for (int64_t n = 0; n < N; ++n) {
+static void int8_gemm(const Int8Call *c, int64_t n0, int64_t n1) {
+    const int qtype = c->qtype;
+    const int64_t N = c->N, size = c->size, row_bytes = c->row_bytes;
+    const int64_t blocks = c->K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+    const uint8_t *w = c->w, *records = c->records;
+    for (int64_t r = 0; r < c->M; ++r)
+        for (int64_t n = n0; n < n1; ++n) {
             float acc = 0.0f;
             for (int64_t b = 0; b < blocks; ++b) {
                 const uint8_t *blk = w + n * row_bytes + b * size, *rec = records + (r * groups + b / pg) * RECORD;
@@ -593,10 +881,16 @@ static void int8_gemm(const uint8_t *records, int64_t M, int64_t K, const uint8_
                 acc += (float)dot * (half(blk) * dx);
                 if (qtype == Q4_1) acc += half(blk + 2) * ((const float *)(rec + 192))[4 * i];
             }
-            y[r * N + n] = acc;
+            c->y[r * N + n] = acc;
         }
 }
 #endif
+
+static void int8_rows(const void *args, int64_t n0, int64_t n1) {
+    const Int8Call *c = args;
+    int8_gemm(c, n0, n1);
+    add_bias(c->y, c->M, c->N, n0, n1, c->bias);
+}
 
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] if not NULL), x's 32-blocks rounded to int8 (above), for
  * Q8_0, Q4_0, Q4_1. scratch: dspark_quant_gemm_q8act_scratch(qtype, M, K) bytes for x's records
@@ -613,7 +907,7 @@ int dspark_quant_gemm_q8act(const float *x, int64_t M, int64_t K, const uint8_t 
         scratch = stack;
     }
     quantize_x(x, M, K, qtype, scratch);
-    int8_gemm(scratch, M, K, w, N, row_bytes, qtype, size, y);
-    add_bias(y, M, N, bias);
+    const Int8Call c = {scratch, w, M, K, N, row_bytes, size, qtype, bias, y};
+    run_rows(int8_rows, &c, N, N * row_bytes * ((M + ROWS - 1) / ROWS));
     return 0;
 }
