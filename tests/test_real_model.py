@@ -36,8 +36,10 @@ def assert_equal_to_reference(outs, ref) -> None:
 
 
 def test_greedy_chat_equals_transformers(smollm2_reference):
+    """The engine keeps the file's blocks (quantization auto, tests/test_quantized_model.py) where
+    transformers dequantizes them: the answers agree anyway (0 of 8 diverge)."""
     ref = smollm2_reference
-    llm = LLM(str(smollm2_path()), None, dtype="float32", max_context=512, capacity=8)
+    llm = LLM(str(smollm2_path()), None, dtype="float32", quantization="auto", max_context=512, capacity=8)
     assert_equal_to_reference(generate(llm, ref.prompts), ref)
     assert "Paris" in ref.texts[0]
 
