@@ -8,6 +8,7 @@ answer with <|im_end|>).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -37,6 +38,12 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def smollm2_reference() -> Reference:
+    return reference()
+
+
+@functools.cache
+def reference() -> Reference:
+    """Computed once per test process, whichever modules ask (each imports the fixture)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -13,7 +13,7 @@ import pytest
 
 from dspark_ray import LLM, SamplingParams
 from gguf_fixtures import smollm2_path, write_truncated
-from real_model_fixtures import MAX_TOKENS, smollm2_reference  # noqa: F401 (a fixture)
+from real_model_fixtures import MAX_TOKENS, smollm2_reference  # noqa: F401,F811 (a fixture)
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from gguf_fixtures import smollm2_path
-from real_model_fixtures import CHAT_PROMPTS, MAX_TOKENS, smollm2_reference  # noqa: F401 (a fixture)
+from real_model_fixtures import CHAT_PROMPTS, MAX_TOKENS, smollm2_reference  # noqa: F401,F811 (a fixture)
 from serve_fixtures import app_stats, start_serve, stop_serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
