@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -80,3 +81,87 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+# -- the machine's limit for decode: bytes of weights a step reads against memory bandwidth ---------------
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """The weights one decode step at batch 1 reads: every linear's weight and every norm once, the LM head
+    once, the input embedding one row. ``stored``: bytes as held in memory (GGUF blocks kept: the blocks);
+    ``values``: how many weights."""
+
+    values: int
+    stored: int
+
+    def in_dtype(self, element_bytes: int) -> int:
+        """The bytes of the same weights held plainly at ``element_bytes`` a value (float32: 4)."""
+        return self.values * element_bytes
+
+
+def _values(module: torch.nn.Module, name: str, t: torch.Tensor) -> int:
+    """The weights ``module``'s tensor ``name`` holds: its elements, but for GGUF blocks kept (a uint8
+    ``weight`` beside a ``qtype``, dspark_ray/model/quantized.py) the weights its rows encode."""
+    if name == "weight" and t.dtype == torch.uint8 and hasattr(module, "qtype"):
+        cols = getattr(module, "in_features", None) or module.embedding_dim
+        return t.shape[0] * cols
+    return t.numel()
+
+
+def model_weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    """The bytes a decode step of ``model`` reads (``WeightBytes``): its parameters and persistent buffers
+    (GGUF blocks kept are buffers), each storage counted once (tied and fused weights share one), less an
+    input embedding that is not also the LM head, of which a step reads one row."""
+    seen_storage, seen, values, stored = set(), set(), 0, 0
+    for module in model.modules():
+        tensors = [*module.named_parameters(recurse=False),
+                   *((n, b) for n, b in module.named_buffers(recurse=False)
+                     if n not in module._non_persistent_buffers_set)]  # a cache such as inv_freq is no weight
+        for name, t in tensors:
+            if t.is_meta or id(t) in seen:
+                continue
+            seen.add(id(t))
+            values += _values(module, name, t)
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen_storage:
+                seen_storage.add(storage.data_ptr())
+                stored += storage.nbytes()
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_weight", None)
+    if embed is not None and head is not None and embed.weight.data_ptr() != head.data_ptr():
+        w, rows = embed.weight, embed.weight.shape[0]
+        unread = (rows - 1) / rows
+        values -= round(_values(embed, "weight", w) * unread)
+        stored -= round(w.untyped_storage().nbytes() * unread)
+    return WeightBytes(values, stored)
+
+
+def weight_bytes(app_config) -> WeightBytes:
+    """What a decode step of the target of ``app_config`` (an AppConfig) reads, from the model loaded as
+    its engine loads it (its dtype, one unsharded copy: tensor-parallel ranks read their shares of it)."""
+    from dspark_ray.engine.local import runtime_dtype
+    from dspark_ray.model import load
+
+    engine = app_config.engine_config()
+    # The engine's quantization (GGUF blocks kept or not) where this dspark_ray has the setting.
+    how = {"quantization": engine.quantization} if hasattr(engine, "quantization") else {}
+    model = load(engine.model, dtype=runtime_dtype(engine.dtype, engine.device), device="cpu", pack=False, **how)
+    return model_weight_bytes(model)
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 3, threads: int | None = None) -> float:
+    """This machine's memory read bandwidth in bytes/s: ``torch.sum`` over ``gib`` GiB of float32 on
+    ``threads`` torch threads (default: every core), the best of ``repeats``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - start)
+        return x.numel() * 4 / best
+    finally:
+        torch.set_num_threads(before)

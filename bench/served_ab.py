@@ -40,8 +40,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from served import (  # noqa: E402 - this folder's modules
-    DEFAULT_YAML, HOST, OUT_DIR, REPO, DsparkServed, SystemUnavailable, Workload, app_of, client_command, frozen,
-    get_json, lengths_text, load_yaml, processes_with_env, run_client, vllm_cli,
+    DEFAULT_YAML, HOST, OUT_DIR, REPO, DsparkServed, SystemUnavailable, Workload, app_of, as_folder, client_command,
+    frozen, get_json, lengths_text, load_yaml, processes_with_env, run_client, vllm_cli,
 )
 
 
@@ -108,7 +108,7 @@ def main() -> None:
         ap.error("--range-ratio must be in [0, 1)")
     workload = Workload(temperature=args.temperature, range_ratio=args.range_ratio)
     app = app_of(args.yaml_a)
-    model, tokenizer = app["name"], Path(app["model"])
+    model, tokenizer = app["name"], Path(as_folder(app["model"], app["dtype"]))  # a GGUF file's export
     urls = {"A": f"http://{HOST}:{args.port}", "B": f"http://{HOST}:{args.port + 1}"}
 
     def run(system: str, concurrency: int, tag: str) -> float:

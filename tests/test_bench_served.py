@@ -14,8 +14,17 @@ The rounds (the schedule that interleaves the two servers' runs, the medians
 over rounds) are tested on hand-made rows, the idle-CPU sampling on real
 processes read from /proc.
 
-The last test runs vLLM's benchmark client, unmodified, against a real
-``serve run`` (tests/serve_fixtures.py) when bench/.vllm-venv is there.
+vLLM's benchmark client runs, unmodified, against a real ``serve run``
+(tests/serve_fixtures.py) when bench/.vllm-venv is there.
+
+The real model's parts: the chat workload (bench/chat_prompts.jsonl is
+well-formed and every prompt renders through SmolLM2's chat template; vLLM's own
+custom dataset picks the same requests in the same order as ours, and the
+exported folder's template renders them as dspark_ray does), the in-process
+closed loop on a stand-in engine, vLLM's command line for each --vllm-spec and
+--vllm-threads-bind, the export cache on a tiny GGUF file, the bytes of weights
+a decode step reads (against the memory planner's count for a quantized file),
+the bandwidth / bytes arithmetic, resident memory from /proc.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from metrics import RequestTrace  # noqa: E402
 from serve_fixtures import ServeModels, ServeRun, serve_models, served  # noqa: E402,F401 - fixtures
 
 DATA = Path(__file__).resolve().parent / "data"
+SHAKESPEARE = REPO / "deploy" / "shakespeare.yaml"  # the toy pair, with its draft
 
 
 def load(name: str) -> dict:
@@ -576,8 +586,9 @@ def test_the_inprocess_run_draws_each_request_length_within_the_range(tmp_path, 
     """--range-ratio reaches the in-process engine: its requests ask for different numbers of tokens,
     each within output_len * (1 -+ r), and the report says so (the real engine, the shipped pair)."""
     monkeypatch.setattr(bench, "OUT_DIR", tmp_path)
-    args = bench.parse(["--systems", "inprocess", "--concurrency", "2", "--num-prompts", "6", "--input-len", "8",
-                        "--output-len", "8", "--range-ratio", "0.5", "--threads", "1", "--name", "rr"], None)
+    args = bench.parse(["--systems", "inprocess", "--yaml", str(SHAKESPEARE), "--workload", "random",
+                        "--concurrency", "2", "--num-prompts", "6", "--input-len", "8", "--output-len", "8",
+                        "--range-ratio", "0.5", "--threads", "1", "--name", "rr"], None)
     report = bench.Report(machine="test", workload=dataclasses.asdict(args.workload), name="rr")
     threads = torch.get_num_threads()
     try:
@@ -606,7 +617,7 @@ def test_vllm_runs_in_the_dtype_dspark_resolves(tmp_path):
     import yaml
 
     assert bench.app_of(REPO / "deploy" / "dspark.yaml")["dtype"] == "float32"  # auto on CPU
-    raw = yaml.safe_load((REPO / "deploy" / "dspark.yaml").read_text())
+    raw = yaml.safe_load(SHAKESPEARE.read_text())
     raw["applications"][0]["args"]["dtype"] = "bfloat16"
     (tmp_path / "bf16.yaml").write_text(yaml.safe_dump(raw))
     app = bench.app_of(tmp_path / "bf16.yaml")
@@ -814,3 +825,362 @@ def test_the_shipped_yaml_binds_each_replica_to_its_worker_s_core(served: ServeR
     replica_cores = [_threads_cpus(pid) for pid in replicas]
     assert all(len(sets) == 1 for sets in replica_cores), replica_cores  # every thread, one binding
     assert {next(iter(sets)) for sets in replica_cores} == worker_cores
+
+
+# -- the chat workload ---------------------------------------------------------------------------------
+
+import chat_workload  # noqa: E402
+import common  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from dspark_ray.model.checkpoint import locate
+    from dspark_ray.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(locate(chat_workload.MODEL))
+
+
+def test_the_chat_workload_is_well_formed_and_every_prompt_renders(smollm2_tokenizer):
+    """bench/chat_prompts.jsonl: vLLM's custom-dataset lines, ~160 distinct prompts of a few words to ~150,
+    each answer's natural length within the cap, and every prompt through SmolLM2's chat template fitting the
+    served max_context with its answer."""
+    lines = chat_workload.WORKLOAD.read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert all(set(r) == {"prompt", "output_tokens"} for r in rows)
+    items = chat_workload.load()
+    assert 150 <= len(items) <= 200 and len({p.prompt for p in items}) == len(items)
+    words = [len(p.prompt.split()) for p in items]
+    assert min(words) <= 3 and max(words) >= 120
+    lengths = [p.output_tokens for p in items]
+    assert all(1 <= n <= chat_workload.MAX_OUTPUT_TOKENS for n in lengths)
+    assert len(set(lengths)) > 50  # natural lengths, not one figure
+    max_context = bench.app_of(bench.DEFAULT_YAML)["max_context"]
+    for p in items:
+        text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}])
+        assert p.prompt in text and text.endswith("<|im_start|>assistant\n")
+        ids = chat_workload.render(smollm2_tokenizer, p.prompt)
+        assert ids == smollm2_tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) + p.output_tokens <= max_context
+    assert "must never use them" in chat_workload.__doc__  # held out from the drafter's training recipe
+
+
+def test_answer_length_stops_before_the_first_end_of_sequence_token():
+    assert chat_workload.answer_length([5, 6, 2, 7], frozenset({2})) == 2
+    assert chat_workload.answer_length([5, 6, 7], frozenset({2})) == 3
+    assert chat_workload.answer_length([2], frozenset({0, 2})) == 0
+
+
+def test_in_client_order_is_seeded_and_oversamples_like_vllm():
+    items = [chat_workload.ChatPrompt(f"p{i}", i + 1) for i in range(10)]
+    a = chat_workload.in_client_order(items, 4, seed=0)
+    assert a == chat_workload.in_client_order(items, 4, seed=0) != chat_workload.in_client_order(items, 4, seed=1)
+    assert len(a) == 4 and len(set(a)) == 4 and set(a) <= set(items)
+    full = chat_workload.in_client_order(items, 10, seed=0)
+    assert full[:4] == a and sorted(full, key=lambda p: p.output_tokens) == items  # a shuffle, all of them
+    more = chat_workload.in_client_order(items, 13, seed=0)
+    assert more[:10] == full and set(more[10:]) <= set(items)  # drawn again from those chosen
+    assert chat_workload.in_client_order(items, 0, seed=0) == full  # 0: all, as vLLM takes it
+
+
+@pytest.mark.skipif(not vllm_installed(), reason=NO_VLLM)
+def test_vllm_s_client_sends_the_prompts_in_our_order_and_its_server_renders_them_as_dspark(tmp_path):
+    """vLLM 0.32's own CustomDataset (as ``vllm bench serve --dataset-name custom --seed`` builds it) picks the
+    same requests in the same order as ``in_client_order``, oversampling included, and the exported folder's
+    chat template (what ``vllm serve`` applies) renders each prompt as dspark_ray's tokenizer does."""
+    if bench.client_lacks([str(REPO / "bench" / ".vllm-venv" / "bin" / "python")], "pandas"):
+        pytest.skip("bench/.vllm-venv lacks pandas, which vLLM's custom dataset needs (pip install pandas)")
+    from dspark_ray.model.checkpoint import locate
+
+    folder = bench.exported(locate(chat_workload.MODEL), "bfloat16", tmp_path)  # the tokenizer is the same
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "from vllm.benchmarks.datasets import CustomDataset\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[2])\n"
+        "out = []\n"
+        "for seed, n in ((0, 170), (7, 5)):\n"
+        "    reqs = CustomDataset(dataset_path=sys.argv[1], random_seed=seed).sample(\n"
+        "        tokenizer=tok, num_requests=n, output_len=-1, skip_chat_template=True)\n"
+        "    out.append([[r.prompt, r.expected_output_len, tok.apply_chat_template(\n"
+        "        [{'role': 'user', 'content': r.prompt}], add_generation_prompt=True, tokenize=False)] for r in reqs])\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run([str(REPO / "bench" / ".vllm-venv" / "bin" / "python"), "-c", script,
+                           str(chat_workload.WORKLOAD), str(folder)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.splitlines()[-1])
+    tok = __import__("dspark_ray.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_path(locate(chat_workload.MODEL))
+    for (seed, n), requests in zip(((0, 170), (7, 5)), theirs, strict=True):
+        ours = chat_workload.in_client_order(chat_workload.load(), n, seed)
+        assert [(r[0], r[1]) for r in requests] == [(p.prompt, p.output_tokens) for p in ours]
+        for prompt, _, text in requests:
+            assert tok.apply_chat_template([{"role": "user", "content": prompt}]) == text
+
+
+def test_the_chat_workload_in_the_client_command_and_the_report(tmp_path):
+    cli = [str(bench.VLLM_VENV / "bin" / "python"), "-c", bench.VLLM_SHIM]
+    w = bench.Workload(kind="chat", num_prompts=6)
+    text = bench.show(bench.client_command(cli, "http://127.0.0.1:8123", "smollm2", tmp_path / "tok", w, 2,
+                                           w.prompts(2), tmp_path, "r.json"))
+    for flags in ("--backend openai-chat", "--endpoint /v1/chat/completions", "--dataset-name custom",
+                  "--dataset-path bench/chat_prompts.jsonl", "--custom-output-len -1", "--skip-chat-template",
+                  "--ignore-eos", "--temperature 0", "--seed 0", "--num-prompts 6", "--max-concurrency 2",
+                  f"--tokenizer {tmp_path / 'tok'}"):
+        assert f" {flags}" in text
+    assert "--random" not in text and "/v1/completions" not in text
+    chosen = chat_workload.in_client_order(chat_workload.load(), 6, 0)
+    assert w.chat(6) == chosen
+    lengths = sorted(p.output_tokens for p in chosen)
+    assert w.output_tokens(6, 6) == (sum(lengths), sum(lengths))
+    assert w.output_tokens(6, 4) == (sum(lengths[:4]), sum(lengths[2:]))
+    assert bench.Workload(output_len=64).output_tokens(6, 5) == (320, 320)
+    assert "chat completions endpoint" in w.text() and "held-out chat prompts" in w.text()
+    args = bench.parse([], None)
+    assert args.workload.kind == "chat" and bench.parse(["--workload", "random"], None).workload.kind == "random"
+
+
+class FakeEngine:
+    """An engine whose request i takes ``steps[i]`` steps and delivers a token each; records the in-flight
+    count at every step and the order requests arrive in."""
+
+    def __init__(self, steps: dict[str, int]) -> None:
+        self.steps, self.left, self.added, self.in_flight = steps, {}, [], []
+
+    def add_request(self, prompt, params) -> str:
+        req_id = prompt[0]
+        self.added.append(req_id)
+        self.left[req_id] = self.steps[req_id]
+        return req_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> list:
+        self.in_flight.append(len(self.left))
+        outs = []
+        for req_id in list(self.left):
+            self.left[req_id] -= 1
+            done = self.left[req_id] == 0
+            outs.append(SimpleNamespace(req_id=req_id, new_token_ids=[1], finished=done, finish_reason="length",
+                                        num_output_tokens=self.steps[req_id], spec=None))
+            if done:
+                del self.left[req_id]
+        return outs
+
+
+def test_closed_loop_keeps_b_in_flight_and_sends_in_order():
+    """As vLLM's client at --max-concurrency b: b requests in flight, the next one sent as soon as one ends."""
+    steps = {"a": 5, "b": 1, "c": 2, "d": 3, "e": 1}
+    engine = FakeEngine(steps)
+    prompts = [[k] for k in steps]
+    traces, seconds = bench.closed_loop(engine, prompts, [None] * 5, 2)
+    assert engine.added == list(steps) and seconds > 0
+    assert max(engine.in_flight) == 2 and engine.in_flight[:5] == [2, 2, 2, 2, 2]
+    assert [t.output_tokens for t in traces] == [5, 1, 2, 3, 1]  # in sending order
+    assert [len(t.arrivals) for t in traces] == [5, 1, 2, 3, 1]
+    assert all(t.sent <= t.arrivals[0] for t in traces)
+    assert traces[2].sent >= traces[1].arrivals[-1]  # c was sent once b ended
+    engine = FakeEngine(steps)
+    bench.closed_loop(engine, prompts, [None] * 5, 8)
+    assert engine.in_flight[0] == 5
+
+
+# -- vLLM's side: its command lines, the export cache --------------------------------------------------
+
+
+def test_vllm_command_lines_for_each_speculation():
+    app = {"model": "/m/target", "draft": "/m/draft", "k": 3, "name": "t", "dtype": "float32", "max_context": 2048}
+    def config(cmd):
+        return json.loads(cmd[cmd.index("--speculative-config") + 1]) if "--speculative-config" in cmd else None
+
+    none = bench.vllm_server_command(["vllm"], app, "t", 9000, "none")
+    assert config(none) is None and none[:3] == ["vllm", "serve", "/m/target"]
+    assert none[none.index("--max-model-len") + 1] == "2048" and none[none.index("--dtype") + 1] == "float32"
+    assert config(bench.vllm_server_command(["vllm"], app, "t", 9000, "ngram")) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": bench.NGRAM_LOOKUP_MAX}
+    assert config(bench.vllm_server_command(["vllm"], {**app, "draft": None, "k": 0}, "t", 9000, "ngram"))[
+        "num_speculative_tokens"] == 4  # the YAML speculates with none: 4
+    assert config(bench.vllm_server_command(["vllm"], app, "t", 9000, "draft")) == {
+        "method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 3}
+    with pytest.raises(bench.SystemUnavailable, match="serves none"):
+        bench.vllm_server_command(["vllm"], {**app, "draft": None}, "t", 9000, "draft")
+
+
+def test_vllm_spec_and_threads_bind_flags():
+    assert bench.parse([], None).vllm_spec == "none"  # deploy/dspark.yaml: SmolLM2 alone
+    assert bench.parse(["--yaml", str(SHAKESPEARE)], None).vllm_spec == "draft"
+    assert bench.parse(["--yaml", str(SHAKESPEARE), "--vllm-spec", "ngram"], None).vllm_spec == "ngram"
+    with pytest.raises(SystemExit):
+        bench.parse(["--vllm-spec", "draft"], None)  # no draft to give vLLM
+    assert bench.parse(["--vllm-spec", "draft", "--systems", "dspark"], None).vllm_spec == "draft"  # no vLLM
+    assert bench.parse([], None).vllm_threads_bind == "all"
+    assert bench.vllm_server_env(2, "all")["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert bench.vllm_server_env(4, "all")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert bench.vllm_server_env(2, "auto")["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # vLLM's own choice
+    args = bench.parse(["--vllm-threads-bind", "auto", "--vllm-spec", "ngram"], None)
+    text = bench.vllm_setup_text(bench.app_of(args.yaml), args)
+    assert text == "ngram speculation (prompt lookup, k 4), VLLM_CPU_OMP_THREADS_BIND=auto"
+
+
+def test_vllm_app_exports_gguf_checkpoints(monkeypatch, tmp_path):
+    """vLLM gets a GGUF target (and draft) as its export in the dtype dspark's target runs in; folders as
+    they are; a DSpark draft becomes --vllm-draft."""
+    calls = []
+    monkeypatch.setattr(bench, "exported", lambda path, dtype: calls.append((path, dtype)) or tmp_path / path.stem)
+    app = bench.app_of(bench.DEFAULT_YAML)
+    assert app["model"].endswith(".gguf") and app["draft"] is None
+    vllm = bench.vllm_app(app, "none", REPO / "models" / "shakespeare-draft")
+    assert vllm["model"] == str(tmp_path / Path(app["model"]).stem) and calls == [(Path(app["model"]), "float32")]
+    pair = {**app, "model": "/m/target", "draft": str(tmp_path / "d.gguf"), "k": 4}
+    assert bench.vllm_app(pair, "draft", Path("/x"))["draft"] == str(tmp_path / "d") and calls[-1][1] == "float32"
+    toy = bench.app_of(SHAKESPEARE)
+    assert bench.vllm_app(toy, "draft", Path("/x")) == toy  # folders as they are
+    assert len(calls) == 2
+
+
+def test_the_export_cache_is_keyed_by_the_file_and_the_dtype(tmp_path, monkeypatch):
+    from gguf_fixtures import write_tiny_gguf
+
+    import dspark_ray.export as export
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    cache = tmp_path / "cache"
+    folder = bench.exported(model, "float32", cache)
+    assert folder.parent == cache and folder.name.startswith("tiny-") and folder.name.endswith("-float32")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
+        os.listdir(folder))
+    assert json.loads((folder / "exported_from.json").read_text())["file"] == str(model.resolve())
+    assert [p.name for p in cache.iterdir()] == [folder.name]  # no partial folder left behind
+    monkeypatch.setattr(export, "export_gguf", lambda *a: pytest.fail("exported again"))
+    assert bench.exported(model, "float32", cache) == folder  # kept
+    monkeypatch.undo()
+    bf16 = bench.exported(model, "bfloat16", cache)
+    assert bf16 != folder and bf16.name.endswith("-bfloat16")
+    assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    os.utime(model, ns=(time.time_ns(), time.time_ns() + 10**9))  # the file changed
+    assert bench.exported(model, "float32", cache) not in (folder, bf16)
+    with pytest.raises(bench.SystemUnavailable, match="dtype"):
+        bench.exported(model, "auto", cache)
+    assert bench.as_folder(str(REPO / "models" / "shakespeare-target"), "float32") == str(
+        REPO / "models" / "shakespeare-target")
+
+
+# -- the machine's limit: bytes of weights a step, memory bandwidth ----------------------------------------
+
+
+def test_weight_bytes_of_a_loaded_gguf_model(tmp_path):
+    """Float weights: every weight once (tied embeddings and fused projections once), an untied input
+    embedding left out but for a row, half the bytes in bfloat16; the AppConfig's way loads it as its engine
+    does. A quantized file: what the memory planner counts for the same file (blocks kept or not)."""
+    from gguf_fixtures import write_tiny_gguf
+
+    from dspark_ray.model import load
+    from dspark_ray.model.memory import Checkpoint, read_config
+    from dspark_ray.serve.config import AppConfig
+
+    for tied in (True, False):
+        path = tmp_path / f"tiny-{tied}.gguf"
+        weights = write_tiny_gguf(path, qtype="F32", embed_qtype="F32", tied=tied)
+        embed = weights["token_embd.weight"]
+        total = sum(w.size for w in weights.values())
+        want = total if tied else total - embed.size + embed.shape[-1]
+        f32 = common.model_weight_bytes(load(path, dtype="float32", pack=False))
+        assert f32 == common.WeightBytes(values=want, stored=4 * want), tied
+        bf16 = common.model_weight_bytes(load(path, dtype="bfloat16"))  # packed copies beside: not counted
+        assert bf16 == common.WeightBytes(values=want, stored=2 * want)
+        assert f32.in_dtype(2) == bf16.stored
+
+    path = tmp_path / "tiny-q8.gguf"
+    write_tiny_gguf(path, qtype="Q8_0", embed_qtype="Q8_0")
+    cfg = AppConfig(model=str(path), draft=None, num_speculative_tokens=0, max_context=128, capacity=2,
+                    num_replicas=1)
+    got = common.weight_bytes(cfg)
+    planned = Checkpoint.of(read_config(path), "cpu", "float32")
+    assert got == common.WeightBytes(values=planned.arch.params, stored=planned.weight_bytes())
+
+
+def test_weight_bytes_counts_gguf_blocks_kept_as_stored():
+    """A weight kept as GGUF blocks (dspark_ray/model/quantized.py: a uint8 ``weight`` buffer [out, row bytes]
+    beside a ``qtype``) counts its bytes as stored and out x in weights; rows shared by a fused view once."""
+
+    class BlockLinear(torch.nn.Linear):
+        def __init__(self, blocks: torch.Tensor, in_features: int) -> None:
+            super().__init__(in_features, blocks.shape[0], bias=False, device="meta")
+            del self.weight
+            self.register_buffer("weight", blocks)
+            self.qtype = 3  # Q4_1: 32 weights in 20 bytes
+
+    fused = torch.zeros(8 + 4, 64 // 32 * 20, dtype=torch.uint8)
+    model = torch.nn.Sequential(BlockLinear(fused[:8], 64), BlockLinear(fused[8:], 64), torch.nn.LayerNorm(64))
+    got = common.model_weight_bytes(model)
+    assert got == common.WeightBytes(values=12 * 64 + 2 * 64, stored=12 * 2 * 20 + 2 * 64 * 4)
+
+
+def test_the_limit_arithmetic_and_its_table():
+    """Ceiling = bandwidth / bytes a step; single-stream decode = 1000 / TPOT at concurrency 1; each system
+    against the bytes its own target reads."""
+    limit = bench.Limit(bandwidth=30e9, dspark=common.WeightBytes(135_000_000, 540_000_000), dtype="float32",
+                        vllm_bytes=270_000_000)
+    assert limit.ceiling(540_000_000) == pytest.approx(55.556, abs=1e-3)
+    rows = [bench.Row("dspark", 1, 4, 0, 1.0, 50.0, 4.0, tpot_mean=20.0),
+            bench.Row("vllm", 1, 4, 0, 1.0, 40.0, 4.0, tpot_mean=25.0),
+            bench.Row("inprocess", 1, 4, 0, 1.0, 60.0, 4.0, tpot_mean=16.0),
+            bench.Row("dspark", 8, 4, 0, 1.0, 300.0, 4.0, tpot_mean=5.0)]
+    table = bench.limit_table(rows, limit).splitlines()
+    assert table[2] == "| dspark_ray served | 540.0 MB | 55.6 | 50.0 | 0.90 |"
+    assert table[3] == "| vLLM served | 270.0 MB | 111.1 | 40.0 | 0.36 |"
+    assert table[4] == "| dspark_ray in-process | 540.0 MB | 55.6 | 62.5 | 1.12 |"
+    assert len(table) == 5  # concurrency 1 only
+    assert bench.limit_table(rows[3:], limit) == ""
+    assert bench.machine_limit.__doc__ and common.memory_bandwidth(gib=0.05, repeats=2) > 1e9
+
+
+def test_the_report_shows_the_limit_the_memory_and_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "OUT_DIR", tmp_path)
+    report = bench.Report(machine="test box", workload={"input_len": 24, "output_len": 64, "seed": 0,
+                                                          "num_prompts": 16, "warmup_prompts": None})
+    report.rows = [run_row("dspark", 1, 1, 50.0, ttft=10.0, itl=(20.0, 30.0))]
+    report.rows[0].tpot_mean = 20.0
+    report.limit = bench.Limit(30e9, common.WeightBytes(135_000_000, 540_000_000), "float32", 540_000_000)
+    report.memory = [bench.ProcessMemory("dspark", 11, "ray::TargetShard", 900_000_000, 700_000_000),
+                     bench.ProcessMemory("dspark", 12, "ray::ServeReplica:dspark:DSparkServer", 400_000_000,
+                                         200_000_000),
+                     bench.ProcessMemory("dspark", 13, "raylet", 5_000_000, 1_000_000),
+                     bench.ProcessMemory("vllm", 21, "VLLM::EngineCore", 1_500_000_000, 1_200_000_000)]
+    report.memory_plan = "verdict: fits\nsmollm2: ..."
+    report.save()
+    md = (tmp_path / "served.md").read_text()
+    assert "memory bandwidth 30.0 GB/s" in md and "reads 540.0 MB of weights a decode step" in md
+    assert "| dspark_ray served | 540.0 MB | 55.6 | 50.0 | 0.90 |" in md
+    assert "| dspark_ray served | ray::TargetShard | 11 | 900 | 700 |" in md
+    assert "| dspark_ray served | (1 others) | | 5 | 1 |" in md and "| dspark_ray served | (all) | | 1305 | 901 |" in md
+    assert "| vLLM served | VLLM::EngineCore | 21 | 1500 | 1200 |" in md
+    assert "```\nverdict: fits\nsmollm2: ...\n```" in md
+    data = json.loads((tmp_path / "served.json").read_text())
+    assert data["limit"]["dspark_ceiling"] == pytest.approx(55.556, abs=1e-3)
+    assert data["memory"][0]["rss"] == 900_000_000 and data["memory_plan"].startswith("verdict: fits")
+
+
+def test_resident_memory_from_proc():
+    rss, anon = bench.process_memory(os.getpid())
+    assert rss > anon > 0  # torch and friends
+    assert bench.process_memory(999_999_999) is None
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while bench.process_name(sleeper.pid) != "sleep":  # until it has exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        [mine] = bench.resident("vllm", {sleeper.pid, 999_999_999})
+        assert (mine.system, mine.pid, mine.name) == ("vllm", sleeper.pid, "sleep") and 0 < mine.rss < 50e6
+        assert bench.resident("inprocess", {os.getpid()}, "this script")[0].name == "this script"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_memory_plan_of_the_shipped_yaml():
+    plan = bench.app_of(bench.DEFAULT_YAML)["config"].memory_plan()
+    assert plan.verdict in ("fits", "kv-limited") and "verdict:" in plan.table()
