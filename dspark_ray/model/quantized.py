@@ -45,6 +45,21 @@ def kernel_types(device: torch.device) -> frozenset[int]:
     return frozenset()
 
 
+_kernel_threads = 0  # what the kernels' own thread pool was last told (quant.set_threads)
+
+
+def _follow_torch_threads() -> None:
+    """The quantized matmuls run on as many threads as torch's ops (the engine sets those per worker:
+    AppConfig.torch_threads, single_thread_max_rows); their pool is told when the count changes."""
+    global _kernel_threads
+    n = torch.get_num_threads()
+    if n != _kernel_threads:
+        from dspark_kernels import quant
+
+        quant.set_threads(n)
+        _kernel_threads = n
+
+
 class BlockGemm:
     """``x @ W.T (+ bias)`` for W kept as GGUF blocks: the ``gemm`` of a ``llama.Linear`` (and of
     fused projections and the LM head). Activations of another dtype are widened to float32 for the
@@ -75,6 +90,7 @@ class BlockGemm:
         dtype = x.dtype
         x32 = x if dtype == torch.float32 else x.float()
         if self._kernel is not None:
+            _follow_torch_threads()
             y = self._kernel(x32, None if bias is None else bias.float())
         else:
             y = quant.quant_matmul(x32, self.weight, bias)
