@@ -42,7 +42,7 @@ class EngineConfig:
     # on CUDA the checkpoint's; local.draft_runtime_dtype). Output does not depend on it (the target
     # verifies every token), only acceptance and the draft's speed do.
     draft_dtype: str | None = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # where the models run: cpu (collectives over gloo) or cuda (NCCL)
     # GGUF weights: "auto" keeps the file's blocks where a kernel reads them (model/quantized.py),
     # "none" dequantizes every weight into dtype at load.
     quantization: str = "auto"

@@ -53,7 +53,7 @@ class AppConfig(BaseModel):
         "max_num_seqs) verifies no drafts for the requests that adapt to the batch (greedy and unseeded sampled "
         "ones; a request that fixed its num_speculative_tokens, or a seeded sampled one, keeps its k, so its "
         "tokens do not depend on what else runs). Where a step is compute-bound a large batch gains less from "
-        "speculation than it costs (README, Performance). null: no limit. Output is unchanged.",
+        "speculation than it costs (docs/performance/history.md). null: no limit. Output is unchanged.",
     )
     confidence_verification: bool = Field(
         True, description="With adaptive_speculation and a DSpark draft that ships a confidence head: each request "
@@ -96,7 +96,7 @@ class AppConfig(BaseModel):
     cuda_graphs: bool = Field(
         True, description="On cuda, the independent draft's one-token drafting passes run as CUDA graphs "
         "captured at padded batch sizes (1, 2, 4 ... 64 rows), one launch per pass instead of one per kernel: "
-        "on an H200 the draft's time per step fell 1.4-2x with output unchanged (README, On a GPU). No effect "
+        "on an H200 the draft's time per step fell 1.4-2x with output unchanged (docs/performance/index.md, On a GPU). No effect "
         "on cpu. false: every pass launches its kernels eagerly.",
     )
     max_num_seqs: int = Field(32, ge=1, description="Requests in one engine step.")
@@ -117,7 +117,7 @@ class AppConfig(BaseModel):
         "auto", description="The draft model's dtype; null: dtype; auto: bfloat16 on a CPU with native bfloat16 "
         "(AVX512-BF16 or AMX), else float32, and the checkpoint's on CUDA. Output is the target's whatever it is "
         "(every token is verified); a bfloat16 draft beside a float32 target halves the draft's memory traffic "
-        "(README, Performance).",
+        "(docs/performance/history.md).",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
     quantization: Literal["auto", "none"] = Field(
@@ -131,7 +131,7 @@ class AppConfig(BaseModel):
         "compiled by torch.compile (Inductor), each run of elementwise ops between two matmuls fused into one "
         "loop; the matmuls and attention stay the eager kernels. Compiled at load (tens of seconds the first "
         "time, seconds once Inductor's disk cache has them). Needs a C++ compiler (g++) on the machine "
-        "(dspark_ray/model/compiled.py; README, Performance).",
+        "(dspark_ray/model/compiled.py; docs/performance/history.md).",
     )
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads in each shard and the proposer.")
@@ -139,7 +139,7 @@ class AppConfig(BaseModel):
         0, ge=0, description="Steps of at most this many rows (requests) run on one torch thread, larger ones "
         "on torch_threads; 0: every step on torch_threads. Where the workers share a few cores with the replica, "
         "Ray and the clients, a small step's second thread mostly waits at OpenMP's barriers for a core another "
-        "process took, and one thread leaves that core to them (README, Performance).",
+        "process took, and one thread leaves that core to them (docs/performance/history.md).",
     )
     bind_cores: bool = Field(
         False, description="Each worker process (target shard, draft worker) claims torch_threads CPUs of its "
@@ -171,8 +171,7 @@ class AppConfig(BaseModel):
         default_factory=dict, description="Environment variables of the target shards' and the draft worker's "
         "processes, on top of the application's runtime_env env_vars (those actors only; the replica keeps its "
         "own). They are set before the process starts, so libraries that read them once at load see them: "
-        "deploy/dspark.yaml has OpenMP bind the one worker's two threads to the two cores and keep them spinning "
-        "between steps (README, Performance). Numbers and booleans are written as strings.",
+        "GOMP_SPINCOUNT, say. Numbers and booleans are written as strings.",
     )
     slot_admission_timeout_s: float = Field(
         30.0, gt=0, description="How long admissions wait for the slot manager during an outage."
@@ -199,8 +198,8 @@ class AppConfig(BaseModel):
     draft_placement: Literal["worker", "target"] = Field(
         "worker", description="Where the draft proposer runs: worker, an actor of its own (dspark:proposer:...) "
         "beside target rank 0; target, inside target rank 0's actor (dspark:target:...:rank0), which then "
-        "drafts and verifies the whole batch in turn on its torch_threads, as the in-process engine does (README, "
-        "Performance: on the 2-core box with torch_threads 2, 1.11x of worker at 8 concurrent requests, 0.86x at "
+        "drafts and verifies the whole batch in turn on its torch_threads, as the in-process engine does (docs/"
+        "performance/history.md: on the 2-core box with torch_threads 2, 1.11x of worker at 8 concurrent requests, 0.86x at "
         "32).",
     )
     draft_ahead: bool = Field(
@@ -232,7 +231,7 @@ class AppConfig(BaseModel):
     http_port: int | None = Field(
         None, ge=0, le=65535, description="The replica serves the OpenAI routes itself on http_host:http_port "
         "(the replicas of a node share the port), instead of only through Serve's proxy: a streamed chunk costs "
-        "~0.16 ms of CPU there against ~1.5 ms through the proxy (README, Performance). The replicas then run on "
+        "~0.16 ms of CPU there against ~1.5 ms through the proxy (docs/performance/history.md). The replicas then run on "
         "the head node, and autoscaling counts the requests each replica holds (dspark_ray/serve/autoscaling.py). "
         "null: HTTP only through Serve's proxy (http_options in the YAML). The shipped YAMLs set 8000 and "
         "proxy_location: Disabled.",
