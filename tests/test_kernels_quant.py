@@ -453,6 +453,40 @@ def test_workers_take_the_callers_floating_point_mode(pool):
     assert not torch.equal(flushed, plain)
 
 
+def pool_threads() -> list[int]:
+    """The ids of this process's pool workers (threads named dspark-quant)."""
+    tasks = Path("/proc/self/task")
+    return [int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == "dspark-quant"]
+
+
+@needs_c
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_a_worker_leaves_its_callers_cpu(pool):
+    """A worker found on the CPU its caller runs on binds itself to the others it may use (on a busy
+    box the scheduler left it there, where it took no rows and slowed the caller)."""
+    gemm = quant.QuantGemm(weight(quant.Q4_1, 3000, 576))
+    x = torch.randn(1, 576)
+    quant.set_threads(2)
+    gemm(x)
+    (worker,) = pool_threads()
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    try:
+        for _ in range(50):
+            os.sched_setaffinity(0, {cpu})  # the caller on `cpu`, and the worker brought there too
+            os.sched_setaffinity(worker, {cpu})
+            gemm(x)
+            os.sched_setaffinity(worker, allowed)  # free again, but still on `cpu` until it steps aside
+            for _ in range(20):
+                gemm(x)
+            if os.sched_getaffinity(worker) == allowed - {cpu}:
+                break
+        assert os.sched_getaffinity(worker) == allowed - {cpu}
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 @needs_c
 def test_an_idle_process_burns_no_cpu(pool):
     """After a burst of calls the workers spin a fraction of a millisecond, then sleep: a process that
@@ -494,8 +528,9 @@ def portable(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
 def test_portable_build_is_correct(portable, qtype):
-    """The scalar decoders give the float32 matmul; on two threads, the same bits."""
-    w = with_odd_scales(weight(qtype, 600, 2 * block_k(qtype), seed=9))
+    """The scalar decoders give the float32 matmul; on two threads, the same bits (a weight big enough
+    to wake the pool's workers)."""
+    w = with_odd_scales(weight(qtype, 1000, 512, seed=9))
     x = torch.randn(6, w.in_features, generator=torch.Generator().manual_seed(10))
 
     def call(entry, threads: int, *scratch) -> torch.Tensor:

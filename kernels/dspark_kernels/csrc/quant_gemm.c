@@ -37,6 +37,7 @@
  * __AVX512F__ etc.) for the decoders; without them a portable scalar decoder gives the same floats
  * and the int8 path a scalar loop. Built and loaded by dspark_kernels/cpu.py.
  */
+#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -346,23 +347,48 @@ static int type_info(int qtype, const StreamTile **stream, int64_t *block, int64
  *
  * Idle workers spin (pause) for SPIN_NS, so that the ~200 calls of a decode step, a few to a few
  * hundred microseconds apart, find them awake; then they sleep on a condition variable, so that an
- * idle server burns no CPU. Workers start at the first call that wants them, stop at exit (atexit)
- * or when the thread count changes, and a forked child starts its own afresh (pthread_atfork). One
- * job at a time: a call that finds the pool busy (another thread's call) runs on its own thread. */
+ * idle server burns no CPU (measured: 0.4 ms of CPU in 10 s asleep). Past YIELD_AFTER_NS of a spin
+ * a worker lends its core (sched_yield) between checks, to torch's own OpenMP threads or anyone
+ * else; not sooner, since on a shared box each yield can lose the core for a whole time slice. Waking
+ * a sleeper costs the caller a futex call and an interrupt to the other CPU (~7 us on the KVM
+ * development box) and the worker comes too late for a small call, so only jobs of WAKE_WORK or
+ * more wake sleepers; spinning workers join any job.
+ *
+ * A worker never stays on its caller's CPU (step_aside): on a box whose other core was busy the
+ * scheduler left the worker beside the thread that started it, where it took no rows and its
+ * spinning slowed the caller (the LM head at M = 1: 1.8 ms on one thread, 2.5 with such a worker,
+ * 0.9-1.3 with the worker on the other core).
+ *
+ * Workers start at the first call that wants them, stop at exit (atexit) or when the thread count
+ * changes, and a forked child starts its own afresh (pthread_atfork). One job at a time: a call
+ * that finds the pool busy (another thread's call) runs on its own thread.
+ *
+ * Measured (2-core AMD EPYC KVM box, bench/quant_gemm.py, C harness, hot weights, per call): a
+ * worker that joins halves a call (576 x 576 Q4_1 at M = 1 22.6 -> 11.5 us, 192 rows 7.5 -> 4.0);
+ * a hand-off costs ~0.6 us (48 rows of K = 576 broke even). */
 
 #define MAX_THREADS 64
 #define CLOSED (1ull << 31)
 #define JOINED_MASK (CLOSED - 1)
+/* The tuning constants; -D overrides them for experiments. "Work" is weight bytes x passes of ROWS. */
 #ifndef SPIN_NS
-#define SPIN_NS 200000 /* a worker's spin before it sleeps (measured: bench/quant_gemm.py --spin) */
+#define SPIN_NS 200000 /* a worker's spin before it sleeps */
+#endif
+#ifndef YIELD_AFTER_NS
+#define YIELD_AFTER_NS 100000 /* spin this long before lending the core between checks */
 #endif
 #ifndef MIN_PARALLEL_WORK
-#define MIN_PARALLEL_WORK 24576 /* weight bytes x passes of ROWS below which a call keeps to its thread */
+#define MIN_PARALLEL_WORK 16384 /* work below which a call keeps to its thread */
 #endif
-#ifndef CHUNK_WORK
-#define CHUNK_WORK 32768 /* weight bytes x passes of a run, at least (a run is whole PANELs) */
+#ifndef WAKE_WORK
+#define WAKE_WORK 524288 /* work below which a job does not wake sleeping workers */
 #endif
-#define RUNS_PER_THREAD 4 /* runs a thread, at most: enough to even out a late or slow one */
+#ifndef MIN_RUN_WORK
+#define MIN_RUN_WORK 262144 /* work of a run, at least, unless that leaves a thread none */
+#endif
+#ifndef RUNS_PER_THREAD
+#define RUNS_PER_THREAD 4 /* runs a thread, at most: a worker that loses its core mid-run holds up less */
+#endif
 
 /* Computes output rows n0..n1 of the call `args` describes. */
 typedef void (*RowsFn)(const void *args, int64_t n0, int64_t n1);
@@ -384,8 +410,10 @@ static struct {
     _Atomic int threads; /* wanted, the caller included */
     int started;  /* workers running */
     int hooked;   /* atexit and pthread_atfork registered */
+    _Atomic int caller_cpu; /* the CPU the last job's caller ran on, -1 unknown */
     pthread_t tid[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, .threads = 1};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, .threads = 1,
+        .caller_cpu = -1};
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -429,19 +457,45 @@ static int64_t run_chunks(void) {
     }
 }
 
+/* A worker's CPUs: those it may run on as the process bound it (`base`), and those it took itself
+ * (`mine`, a subset), so that a later binding by the process (serve/cores.py) is followed. */
+typedef struct {
+#if defined(__linux__)
+    cpu_set_t base, mine;
+    int narrowed;
+#endif
+    int unused;
+} Placement;
+
+/* Off the caller's CPU, if the worker is on it and may run elsewhere: its CPUs less the caller's. */
+static void step_aside(Placement *at) {
+#if defined(__linux__)
+    const int caller = atomic_load_explicit(&pool.caller_cpu, memory_order_relaxed);
+    if (caller < 0 || caller >= CPU_SETSIZE || sched_getcpu() != caller) return;
+    cpu_set_t now, away;
+    if (pthread_getaffinity_np(pthread_self(), sizeof now, &now) != 0) return;
+    if (!at->narrowed || !CPU_EQUAL(&now, &at->mine)) at->base = now; /* bound anew from outside */
+    away = at->base;
+    CPU_CLR(caller, &away);
+    if (CPU_COUNT(&away) > 0 && pthread_setaffinity_np(pthread_self(), sizeof away, &away) == 0)
+        at->mine = away, at->narrowed = 1;
+#else
+    (void)at;
+#endif
+}
+
 /* The state once its generation is not `seen` (or the pool stops): spinning, then asleep. */
-static uint64_t wait_job(uint32_t seen) {
-    int64_t deadline = 0;
+static uint64_t wait_job(uint32_t seen, Placement *at) {
+    int64_t start = 0;
     for (unsigned i = 1;; ++i) {
         const uint64_t s = atomic_load_explicit(&pool.state, memory_order_acquire);
         if (generation(s) != seen || atomic_load_explicit(&pool.stop, memory_order_relaxed)) return s;
-        if (i % 64 == 0) { /* ~2 us of pauses: the clock, and the core to any other thread that wants it */
+        if (i % 64 == 0) { /* ~2 us of pauses: the clock; past YIELD_AFTER_NS the core to any thread that wants it */
             const int64_t t = now_ns();
-            if (deadline == 0)
-                deadline = t + SPIN_NS;
-            else if (t > deadline)
-                break;
-            sched_yield();
+            if (start == 0) start = t;
+            if (t - start > SPIN_NS) break;
+            step_aside(at);
+            if (t - start > YIELD_AFTER_NS) sched_yield();
         }
         cpu_relax();
     }
@@ -454,13 +508,15 @@ static uint64_t wait_job(uint32_t seen) {
         pthread_cond_wait(&pool.wake, &pool.sleep_lock);
     atomic_fetch_sub(&pool.sleepers, 1);
     pthread_mutex_unlock(&pool.sleep_lock);
+    step_aside(at);
     return s;
 }
 
 static void *worker(void *arg) {
     uint32_t seen = (uint32_t)(uintptr_t)arg;
+    Placement at = {0};
     for (;;) {
-        uint64_t s = wait_job(seen);
+        uint64_t s = wait_job(seen, &at);
         if (atomic_load(&pool.stop)) return NULL;
         seen = generation(s);
         int joined = 0;
@@ -520,8 +576,12 @@ static void start_workers(void) {
     pthread_sigmask(SIG_SETMASK, &all, &old);
     const uint32_t seen = generation(atomic_load(&pool.state));
     while (pool.started < pool.threads - 1 &&
-           pthread_create(&pool.tid[pool.started], NULL, worker, (void *)(uintptr_t)seen) == 0)
+           pthread_create(&pool.tid[pool.started], NULL, worker, (void *)(uintptr_t)seen) == 0) {
+#if defined(__linux__)
+        pthread_setname_np(pool.tid[pool.started], "dspark-quant"); /* what top -H and the tests see */
+#endif
         ++pool.started;
+    }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
@@ -534,18 +594,24 @@ static void run_rows(RowsFn fn, const void *args, int64_t N, int64_t work) {
     }
     if (pool.started < pool.threads - 1) start_workers();
     const int threads = pool.started + 1;
+    /* Panels a run: long runs, since each starts a new stream from memory (measured at M = 1, cold:
+     * q/o on 2 threads in runs of 34 KB 19.7 us, of 103 KB 17.6; gate/up 69 KB 40.8, 276 KB 37.7). */
     const int64_t panels = (N + PANEL - 1) / PANEL, per_panel = work / panels + 1;
-    int64_t chunk = (CHUNK_WORK + per_panel - 1) / per_panel; /* panels a run */
+    const int64_t most = (panels + threads - 1) / threads;
     const int64_t fewest = (panels + threads * RUNS_PER_THREAD - 1) / (threads * RUNS_PER_THREAD);
-    if (chunk < fewest) chunk = fewest;
+    int64_t chunk = (MIN_RUN_WORK + per_panel - 1) / per_panel;
+    chunk = chunk > most ? most : chunk < fewest ? fewest : chunk;
     pool.fn = fn, pool.args = args, pool.rows = N, pool.chunk = chunk * PANEL;
     pool.chunks = (panels + chunk - 1) / chunk;
     pool.csr = get_csr();
+#if defined(__linux__)
+    atomic_store_explicit(&pool.caller_cpu, sched_getcpu(), memory_order_relaxed);
+#endif
     atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.left, 0, memory_order_relaxed);
     const uint64_t open = (uint64_t)(generation(atomic_load(&pool.state)) + 1) << 32;
     atomic_store(&pool.state, open);
-    if (atomic_load(&pool.sleepers) > 0) wake_all();
+    if (work >= WAKE_WORK && atomic_load(&pool.sleepers) > 0) wake_all();
     run_chunks();
     const int64_t joined = (int64_t)(atomic_fetch_or(&pool.state, CLOSED) & JOINED_MASK);
     for (unsigned i = 1; atomic_load_explicit(&pool.left, memory_order_acquire) < joined; ++i)
@@ -666,24 +732,48 @@ int dspark_quant_gemm_q8act_native(void) {
 #endif
 }
 
+/* One 32-block of x: q = round-half-even(x * (1 / dx)) in -127..127 with dx = max|x| / 127 (q all zero
+ * where the block is), the sum of q and the float sum sx of x. */
+static inline void quantize_block(const float *xb, int8_t q[32], float *dx_out, int32_t *sum_out, float *sx_out) {
+#if defined(QG_AVX512)
+    /* ~15 cycles a block, against ~400 for the scalar loop below (bench: M = 32 rows of K = 1536 took
+     * ~240 us a call, longer than the matmul it fed). rint is the cvt under the default MXCSR. */
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))), lo), hi);
+    const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))), lo), hi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+    *dx_out = dx;
+    *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *sx_out = hsum((v16)_mm512_add_ps(a, b));
+#else
+    float amax = 0.0f, sx = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+        const float v = fminf(fmaxf(rintf(xb[i] * inv), -127.0f), 127.0f);
+        q[i] = (int8_t)v;
+        sum += q[i];
+        sx += xb[i];
+    }
+    *dx_out = dx, *sum_out = sum, *sx_out = sx;
+#endif
+}
+
 /* Rows of x [M, K] to their records (layout above). */
 static void quantize_x(const float *x, int64_t M, int64_t K, int qtype, uint8_t *records) {
     const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
     memset(records, 0, (size_t)(M * groups * RECORD));
     for (int64_t r = 0; r < M; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
-            const float *xb = x + r * K + 32 * b;
-            float amax = 0.0f, sx = 0.0f;
-            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-            const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
             int8_t q[32];
-            int32_t sum = 0;
-            for (int i = 0; i < 32; ++i) {
-                const float v = fminf(fmaxf(rintf(xb[i] * inv), -127.0f), 127.0f);
-                q[i] = (int8_t)v;
-                sum += q[i];
-                sx += xb[i];
-            }
+            float dx, sx;
+            int32_t sum;
+            quantize_block(x + r * K + 32 * b, q, &dx, &sum, &sx);
             uint8_t *rec = records + (r * groups + b / pg) * RECORD;
             float *dxs = (float *)(rec + 128);
             const int i = (int)(b % pg);
