@@ -140,7 +140,7 @@ def model_weight_bytes(model: torch.nn.Module) -> WeightBytes:
 def weight_bytes(app_config) -> WeightBytes:
     """What a decode step of the target of ``app_config`` (an AppConfig) reads, from the model loaded as
     its engine loads it (its dtype, one unsharded copy: tensor-parallel ranks read their shares of it)."""
-    from dspark_ray.engine.local import runtime_dtype
+    from dspark_ray.engine.dtypes import runtime_dtype
     from dspark_ray.model import load
 
     engine = app_config.engine_config()

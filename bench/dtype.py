@@ -28,7 +28,8 @@ import torch
 
 from common import DRAFT, TARGET, load_prompts, machine
 from dspark_ray.engine import EngineConfig, SamplingParams
-from dspark_ray.engine.local import build_local_engine, draft_runtime_dtype
+from dspark_ray.engine.dtypes import draft_runtime_dtype
+from dspark_ray.engine.local import build_local_engine
 
 DTYPES = ("float32", "bfloat16")
 

@@ -29,7 +29,8 @@ import time
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from dspark_ray.engine.target_runner import CUDA_ATTENTION_BACKENDS, KEY_BUCKET, AttentionGroup, PackedAttention
+from dspark_ray.engine.attention_group import AttentionGroup
+from dspark_ray.engine.target_runner import CUDA_ATTENTION_BACKENDS, KEY_BUCKET, PackedAttention
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (512, 2048)

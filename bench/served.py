@@ -979,7 +979,7 @@ def app_of(yaml_path: Path) -> dict:
     ``package:`` name is the file inside its installed distribution)."""
     from dspark_ray.serve.config import AppConfig
 
-    from dspark_ray.engine.local import draft_runtime_dtype, runtime_dtype
+    from dspark_ray.engine.dtypes import draft_runtime_dtype, runtime_dtype
     from dspark_ray.model.checkpoint import locate
 
     cfg = AppConfig(**load_yaml(yaml_path)["applications"][0].get("args", {}))

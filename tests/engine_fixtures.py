@@ -353,7 +353,7 @@ def tp_speculative_engine(target: str, draft: str, rank: int, max_context: int) 
     """On a rank of ``spawn_tp2``: a speculative (fixed k=4) engine over this rank's target shard,
     the draft whole, as each replica's rank runs it."""
     from dspark_ray.engine.local import make_draft_proposer, make_target_runner
-    from dspark_ray.model.tp import TensorParallel
+    from dspark_ray.model.parallel import TensorParallel
     from dspark_ray.slots import SlotRegistry
     from dspark_ray.tokenizer import Tokenizer
 

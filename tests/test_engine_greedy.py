@@ -21,7 +21,7 @@ import torch
 from conftest import SHIPPED_DRAFT, SHIPPED_DSPARK, SHIPPED_TARGET, shipped
 from dspark_ray import LLM, SamplingParams
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
-from dspark_ray.engine.local import native_bf16_cpu
+from dspark_ray.engine.dtypes import native_bf16_cpu
 from dspark_ray.model.llama import CausalAttention
 from engine_fixtures import (  # noqa: F401 - fixtures
     EOS_ID,

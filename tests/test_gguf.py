@@ -18,7 +18,7 @@ from dspark_ray.model import ModelConfig, load
 from dspark_ray.model.checkpoint import locate
 from dspark_ray.model.errors import CheckpointFileMissing, ModelLoadError, UnsupportedArchitecture, UnsupportedQuantization
 from dspark_ray.model.gguf import SUPPORTED_TYPES, GgufError, open_checkpoint
-from dspark_ray.model.tp import TensorParallel
+from dspark_ray.model.parallel import TensorParallel
 from dspark_ray.tokenizer import Tokenizer, TokenizerMismatch, check_compatible
 from gguf_fixtures import random_blocks, smollm2_path, write_tiny_gguf
 

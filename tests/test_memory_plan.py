@@ -168,7 +168,8 @@ def test_per_rank_share_equals_the_shard_transform(arch_name, extra):
     """Rank r's weights as dspark_ray.model.tp.shard leaves them: heads, MLP and every expert split, the
     rest (embeddings, norms, routers, LM head) whole."""
     from dspark_ray.model import CausalLM, ModelConfig
-    from dspark_ray.model.tp import TensorParallel, shard
+    from dspark_ray.model.parallel import TensorParallel
+    from dspark_ray.model.tp import shard
 
     raw = dict(TINY, architectures=[arch_name], **extra)
     for world in (1, 2):
@@ -323,7 +324,7 @@ def test_a_dspark_draft_is_planned_as_it_loads():
     """The shipped DSpark block draft: its planned weights are the loaded draft's parameters plus the
     copy of the target's embedding its process holds, its cache the context ring (window + block per
     slot, not draft_window + k), and a deployment serving it validates (it was refused before)."""
-    from dspark_ray.engine.local import draft_runtime_dtype
+    from dspark_ray.engine.dtypes import draft_runtime_dtype
     from dspark_ray.model.dspark import DSparkConfig, TargetHeads, load_dspark
     from dspark_ray.serve.config import AppConfig
     from dspark_ray.slots.context_ring import ContextRing

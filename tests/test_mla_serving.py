@@ -37,7 +37,7 @@ import torch
 from conftest import save_tiny_checkpoint
 from dspark_ray.engine import SamplingParams
 from dspark_ray.engine.latent_attention import LatentKVPool
-from dspark_ray.engine.target_runner import AttentionGroup
+from dspark_ray.engine.attention_group import AttentionGroup
 from dspark_ray.model import load
 from dspark_ray.model.memory import Checkpoint, read_config
 from dspark_ray.model.moe import SparseMoE

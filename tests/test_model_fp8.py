@@ -35,7 +35,7 @@ from dspark_ray.model.fp8 import (
     scale_grid,
     scale_index,
 )
-from dspark_ray.model.tp import TensorParallel
+from dspark_ray.model.parallel import TensorParallel
 
 # Tiny models: hidden 64, q 64 x 64, k/v 32 x 64, gate/up 96 x 64, down 64 x 96. With (24, 20)
 # blocks every weight ends in a partial block, and TP 2 cuts q/k/o/down inside a block.
@@ -233,7 +233,7 @@ COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj
 def _tp_rank(rank: int, folders: list[str], kept_folder: str, out: str) -> None:
     """One rank of TP 2: load each FP8 checkpoint's slices (``kept_folder`` as on CUDA, FP8 kept where
     the blocks fit), run the logits, save them with the state dict."""
-    from dspark_ray.model.llama import Linear
+    from dspark_ray.model.layers import Linear
 
     for i, folder in enumerate(folders):
         model = load(folder, dtype="float32", tp=TensorParallel(rank, 2))

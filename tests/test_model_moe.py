@@ -23,7 +23,7 @@ from safetensors import safe_open
 from conftest import save_tiny_checkpoint
 from dspark_ray.model import ModelLoadError, TensorMissing, TensorShapeMismatch, UnsupportedArchitecture, load
 from dspark_ray.model.moe import SparseMoE, grouped_experts, route, route_grouped
-from dspark_ray.model.tp import ExpertShard, TensorParallel
+from dspark_ray.model.parallel import ExpertShard, TensorParallel
 from engine_fixtures import (EOS_ID, copy_shipped_tokenizer, generate, make_engine, perturbed_copy, save_model,
                              spawn_tp2, tp_speculative_engine)
 from test_model_parity import assert_parity

@@ -257,7 +257,8 @@ def test_q_and_k_rotated_together_are_bit_identical_to_rotating_each(make_checkp
     """With fused q/k/v and no q/k norm, ``SelfAttention`` rotates q and k as one tensor (half the
     rotary ops per layer): the same bits as rotating each, for every layer's attention inputs and
     output, at decode, verify and prefill shapes."""
-    from dspark_ray.model.llama import CausalAttention, apply_rope
+    from dspark_ray.model.layers import apply_rope
+    from dspark_ray.model.llama import CausalAttention
 
     architecture, overrides = CASES[case]
     folder, _ = make_checkpoint(architecture, **overrides)

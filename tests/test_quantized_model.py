@@ -16,7 +16,7 @@ from dspark_kernels import cpu, quant
 from dspark_ray.model import load
 from dspark_ray.model.gguf import open_checkpoint
 from dspark_ray.model.quantized import BlockEmbedding, BlockGemm, block_bytes
-from dspark_ray.model.tp import TensorParallel
+from dspark_ray.model.parallel import TensorParallel
 from gguf_fixtures import smollm2_path, write_tiny_gguf
 
 needs_kernels = pytest.mark.skipif(not (cpu.enabled() and quant._library() is not None),

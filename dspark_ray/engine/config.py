@@ -39,7 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # target tokens fed per step
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     # The draft's own dtype (None: dtype; "auto": bfloat16 on CPUs with native bfloat16, else float32,
-    # on CUDA the checkpoint's; local.draft_runtime_dtype). Output does not depend on it (the target
+    # on CUDA the checkpoint's; dtypes.draft_runtime_dtype). Output does not depend on it (the target
     # verifies every token), only acceptance and the draft's speed do.
     draft_dtype: str | None = "auto"
     device: str = "cpu"  # where the models run: cpu (collectives over gloo) or cuda (NCCL)

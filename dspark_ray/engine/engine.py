@@ -86,6 +86,7 @@ import torch
 from dspark_ray.engine.adaptive import POPULATION_DECAY, Acceptance, SpecController, confident_drafts
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.detokenizer import OutputText
+from dspark_ray.engine.errors import InvalidRequest
 from dspark_ray.engine.interfaces import (
     DraftService,
     GrammarRow,
@@ -101,7 +102,7 @@ from dspark_ray.engine.interfaces import (
 )
 from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
 from dspark_ray.engine.request import ErrorCode, FinishReason, Request, Status
-from dspark_ray.engine.sampling_params import InvalidRequest, SamplingParams
+from dspark_ray.engine.sampling_params import SamplingParams
 from dspark_ray.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from dspark_ray.engine.structured import GRAMMAR_ERROR, GrammarCompiler, GrammarError
 from dspark_ray.slots import SlotLease, SlotsExhausted

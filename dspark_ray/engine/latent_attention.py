@@ -19,15 +19,11 @@ table and runs ``attend_absorbed`` or ``attend_expanded``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from dspark_ray.engine.attention_group import AttentionGroup
 from dspark_ray.model.config import ModelConfig
 from dspark_ray.model.mla import LatentAttention, absorb_pays, attend_absorbed, attend_expanded
-
-if TYPE_CHECKING:
-    from dspark_ray.engine.target_runner import AttentionGroup
 
 FORMS = ("auto", "absorbed", "expanded")
 

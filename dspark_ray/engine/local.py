@@ -20,6 +20,7 @@ import torch
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.dspark_proposer import DSparkProposer
+from dspark_ray.engine.dtypes import draft_runtime_dtype, runtime_dtype
 from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
@@ -29,7 +30,7 @@ from dspark_ray.model.dspark import DSparkConfig, TargetHeads, check_fits, is_ds
 from dspark_ray.model.llama import CausalLM
 from dspark_ray.model.rope import check_max_context
 from dspark_ray.model.mla import refuse_as_draft
-from dspark_ray.model.tp import TensorParallel
+from dspark_ray.model.parallel import TensorParallel
 from dspark_ray.slots import SlotRegistry
 from dspark_ray.tokenizer import Tokenizer, check_compatible
 
@@ -38,32 +39,6 @@ from dspark_ray.tokenizer import Tokenizer, check_compatible
 # draft one pass per draft token, [rows, 1], and a catch-up pass over the accepted tokens, [rows, n].
 TARGET_SHAPES = [(1, 1), (1, 8)]
 DRAFT_SHAPES = [(1, 1), (1, 8), (4, 1), (4, 8)]
-
-
-def runtime_dtype(dtype: str, device: str) -> str:
-    """'auto' means float32 on CPU (bf16 matmuls are slow and lossy there), else the checkpoint's."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if torch.device(device).type == "cpu" else "auto"
-
-
-def native_bf16_cpu() -> bool:
-    """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): there a bfloat16 matmul reads half
-    the bytes of a float32 one at no extra cost; elsewhere it is emulated and slower than float32."""
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported",
-                                                                         "_is_amx_tile_supported"))
-
-
-def draft_runtime_dtype(config: EngineConfig) -> str:
-    """The draft's dtype. ``draft_dtype`` None: the target's (``dtype``). "auto" on CPU: bfloat16 where
-    the CPU has native bfloat16, else float32 (the draft's weights are read once per draft token,
-    and on the 2-core development box a bfloat16 draft made served concurrency-1 throughput 1.13x,
-    README); on CUDA, the checkpoint's. Output never depends on it: every token is verified."""
-    if config.draft_dtype is None:
-        return runtime_dtype(config.dtype, config.device)
-    if config.draft_dtype == "auto" and torch.device(config.device).type == "cpu":
-        return "bfloat16" if native_bf16_cpu() else "float32"
-    return runtime_dtype(config.draft_dtype, config.device)
 
 
 def uses_dspark(config: EngineConfig) -> bool:
@@ -106,7 +81,7 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
     check_max_context(model_config, config.max_context)
     plan = None
     if torch.device(config.device).type == "cuda":  # refuse what cannot fit before any weight is read
-        from dspark_ray.engine.memory_budget import check_fits, cuda_pool_tokens  # it imports this module
+        from dspark_ray.engine.memory_budget import check_fits, cuda_pool_tokens
 
         plan = check_fits(config, tp)
     model = load(config.model, dtype=runtime_dtype(config.dtype, config.device), device=config.device, tp=tp,

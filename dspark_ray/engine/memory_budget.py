@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dspark_ray.engine.config import EngineConfig
-from dspark_ray.engine.local import draft_runtime_dtype, runtime_dtype
+from dspark_ray.engine.dtypes import draft_runtime_dtype, runtime_dtype
 from dspark_ray.model.memory import (
     SLOT_POOL_SHARE,
     Checkpoint,
@@ -30,7 +30,7 @@ from dspark_ray.model.memory import (
     pool_tokens_after_load,
     read_config,
 )
-from dspark_ray.model.tp import TensorParallel
+from dspark_ray.model.parallel import TensorParallel
 
 
 def memory_plan(config: EngineConfig, tensor_parallel_size: int = 1, nodes: int = 1, memory_bytes: int | None = None,

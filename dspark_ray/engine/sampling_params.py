@@ -6,21 +6,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # a runtime import would be circular
+from dspark_ray.engine.errors import InvalidRequest
+
+if TYPE_CHECKING:  # imported where it is used: structured.py brings torch and llguidance
     from dspark_ray.engine.structured import StructuredOutput
 
 
 # The most log-probabilities per position a request may ask for (vLLM's default limit).
 MAX_LOGPROBS = 20
-
-
-class InvalidRequest(ValueError):
-    """A request parameter is out of range. ``field`` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -123,7 +116,7 @@ class SamplingParams:
             raise InvalidRequest("n", f"must be an integer >= 1, got {self.n!r}")
         self._check_rules()
         self._check_logprobs()
-        from dspark_ray.engine.structured import StructuredOutput  # it imports this module
+        from dspark_ray.engine.structured import StructuredOutput  # torch and llguidance: only when checked
 
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequest("cache_salt", "must be a non-empty string")

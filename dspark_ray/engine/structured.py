@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
-from dspark_ray.engine.sampling_params import InvalidRequest
+from dspark_ray.engine.errors import InvalidRequest
 
 # What a request may ask for; ``spec`` is the text each kind is compiled from.
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark_kernels import cpu as cpu_kernels
 from dspark_kernels import ops
+from dspark_ray.engine.attention_group import AttentionGroup
 from dspark_ray.engine.interfaces import ContextStates, TargetStep, VerifyResult, VerifyRow
 from dspark_ray.engine.latent_attention import LatentKVPool
 from dspark_ray.engine.logits_rules import apply_rules, needs_rules
@@ -79,17 +79,6 @@ NATIVE_MAX_FED = 64
 
 class StaleSlotState(RuntimeError):
     """A row's start position disagrees with the KV the slot holds (a bookkeeping bug)."""
-
-
-@dataclass
-class AttentionGroup:
-    """Rows of similar length attended together: their queries padded to ``T``, keys to ``L``."""
-
-    queries: torch.Tensor  # [G, T] int64: each query's place in the packed step (padding: 0, unused)
-    valid: torch.Tensor  # [G, T] bool: real queries
-    key_index: torch.Tensor  # [G, L] int64: pool index of each key position
-    mask: torch.Tensor  # [G, 1, T, L] bool, True = attend
-    whole: bool = False  # the group is the whole step, unpadded, in order: queries are a view
 
 
 class PackedAttention:

@@ -113,6 +113,39 @@ def read_config(path: str | Path) -> dict:
     return raw
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, in shard order."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(_weight_map(index).values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointFileMissing(
+                f"{index} lists shards that are not in {path}: {', '.join(missing)}; copy them there"
+            )
+        return [path / s for s in shards]
+    raise CheckpointFileMissing(
+        f"no model.safetensors or model.safetensors.index.json in {path}; "
+        "convert the checkpoint to safetensors (PyTorch .bin files are not loaded)"
+    )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """tensor name -> shard file, from a model.safetensors.index.json."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ModelLoadError(f"{index} is not a JSON object: {exc}; re-save the checkpoint") from exc
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(
+            f"{index} has no 'weight_map' of tensor names to shard files; re-save the checkpoint"
+        )
+    return weight_map
+
+
 def read_tensors(path: str | Path, names: set[str]) -> dict[str, Any]:
     """Those of ``names`` the checkpoint holds, as float32 tensors (GGUF: dequantized) or in the
     safetensors file's own dtype."""
@@ -122,8 +155,6 @@ def read_tensors(path: str | Path, names: set[str]) -> dict[str, Any]:
 
         return {name: handle[:] for name, handle in open_checkpoint(path).tensors() if name in names}
     from safetensors import safe_open
-
-    from dspark_ray.model.loader import weight_files
 
     out = {}
     for file in weight_files(path):
@@ -142,8 +173,6 @@ def tensor_handles(path: Path) -> Iterator[tuple[str, Any]]:
         yield from open_checkpoint(path).tensors()
         return
     from safetensors import safe_open
-
-    from dspark_ray.model.loader import weight_files
 
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:

@@ -145,7 +145,8 @@ def missing_toolchain() -> str | None:
 
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot be compiled, or None."""
-    from dspark_ray.model.llama import MLP, CausalLM, Linear, SelfAttention
+    from dspark_ray.model.layers import Linear
+    from dspark_ray.model.llama import MLP, CausalLM, SelfAttention
 
     if type(model) is not CausalLM:
         return f"{type(model).__name__} is not the plain decoder"
@@ -187,7 +188,7 @@ def compile_model(model: torch.nn.Module) -> bool:
     in place, after ``pack_weights``. Raises ValueError for a model it cannot compile (``unsupported``).
     Without a C++ compiler on the machine it logs a warning and leaves the model eager. Returns
     whether the model is compiled."""
-    from dspark_ray.model.llama import FusedLinears, Linear
+    from dspark_ray.model.layers import FusedLinears, Linear
 
     reason = unsupported(model)
     if reason is not None:

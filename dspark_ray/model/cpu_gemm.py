@@ -145,7 +145,8 @@ def pack_weights(model: nn.Module) -> nn.Module:
     included), its fused projections and the LM head (``CausalLM.lm_gemm``).
     Does nothing where oneDNN cannot run the weights (CUDA, float16).
     """
-    from dspark_ray.model.llama import CausalLM, FusedLinears, Linear
+    from dspark_ray.model.layers import FusedLinears, Linear
+    from dspark_ray.model.llama import CausalLM
 
     param = next(model.parameters())
     if not available(param.device, param.dtype):

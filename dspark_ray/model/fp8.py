@@ -155,7 +155,7 @@ def dequantize(
 
 
 def scale_index(
-    index: tuple[slice, ...] | None,  # the weight slice a rank reads (tp.shard_slice), None = whole
+    index: tuple[slice, ...] | None,  # the weight slice a rank reads (parallel.shard_slice), None = whole
     shape: tuple[int, int],  # the full weight's shape
     block: tuple[int, int],
 ) -> tuple[tuple[slice, slice], tuple[int, int]]:
@@ -237,8 +237,8 @@ class Fp8Checkpoint:
         """Where ``Fp8Gemm`` can run, give each quantised linear an FP8 weight and a ``weight_scale_inv``
         buffer (this rank's shapes) instead of a weight in ``dtype``; the others are dequantised at load.
         Run on the meta model, after ``.to(dtype)`` and before ``.to_empty``."""
-        from dspark_ray.model.llama import Linear
-        from dspark_ray.model.tp import shard_slice
+        from dspark_ray.model.layers import Linear
+        from dspark_ray.model.parallel import shard_slice
 
         if not Fp8Gemm.available(device, dtype):
             return

@@ -19,28 +19,15 @@ are read from the projection shapes at run time rather than from the config.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspark_ray.model.config import ModelConfig
+from dspark_ray.model.layers import Attention, FusedLinears, Linear, RMSNorm, apply_rope
+from dspark_ray.model.mla import LatentAttention
 from dspark_ray.model.moe import SparseMoE, expert_names
 from dspark_ray.model.rope import rope_attention_scaling, rope_inv_freq
-
-
-class Attention(Protocol):
-    """Computes attention for one layer once q/k/v are projected and rotated."""
-
-    def __call__(
-        self,
-        layer: int,
-        q: torch.Tensor,  # [B, T, Hq, D]
-        k: torch.Tensor,  # [B, T, Hkv, D]
-        v: torch.Tensor,  # [B, T, Hkv, D]
-    ) -> torch.Tensor:  # [B, T, Hq, D]
-        ...
 
 
 class CausalAttention:
@@ -68,78 +55,6 @@ def causal_window_mask(t: int, window: int, device: torch.device) -> torch.Tenso
     i = torch.arange(t, device=device)[:, None]
     j = torch.arange(t, device=device)[None, :]
     return (j <= i) & (j > i - window)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def apply_rope(
-    x: torch.Tensor,  # [B, T, H, D]
-    cos: torch.Tensor,  # [B, T, D]
-    sin: torch.Tensor,  # [B, T, D]
-) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul may run on a prepacked copy of its weight (``gemm``, set by
-    ``dspark_ray.model.cpu_gemm.pack_weights`` on CPU); parameters and names are nn.Linear's."""
-
-    gemm = None  # PackedGemm | None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm is not None:
-            return self.gemm(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-class FusedLinears:
-    """Several linears over the same input as one matmul (e.g. q/k/v): one weight, outputs split.
-
-    The fused weight (and bias) is one tensor and each linear's parameters are
-    made views of its rows, so the state dict, its names and the memory used
-    are unchanged; only the number of matmuls per layer drops (on the small
-    models of the CPU development box, op count rather than arithmetic sets
-    the step time). Built after the weights are loaded (``fuse_projections``).
-    """
-
-    gemm = None  # PackedGemm | None, as for Linear
-
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        self.sizes = [lin.out_features for lin in linears]
-        self.in_features = linears[0].in_features
-        # GGUF blocks kept (dspark_ray/model/quantized.py): uint8 rows, stacked the same way.
-        self.qtype = getattr(linears[0], "qtype", None)
-        self.weight = torch.cat([lin.weight.detach() for lin in linears])
-        has_bias = [lin.bias is not None for lin in linears]
-        self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
-        start = 0
-        for lin, n in zip(linears, self.sizes):
-            rows = self.weight[start:start + n]
-            # A parameter stays a parameter; kept blocks are a buffer and stay one.
-            lin.weight = nn.Parameter(rows, requires_grad=False) if isinstance(lin.weight, nn.Parameter) else rows
-            if self.bias is not None:
-                lin.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
-            start += n
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The outputs side by side, unsplit: [..., sum(sizes)]."""
-        return self.gemm(x, self.bias) if self.gemm is not None else F.linear(x, self.weight, self.bias)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x).split(self.sizes, dim=-1)
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
@@ -237,9 +152,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.mla is not None:  # DeepSeek-V3 (imported here: mla.py builds on this module)
-            from dspark_ray.model.mla import LatentAttention
-
+        if cfg.mla is not None:  # DeepSeek-V3
             self.self_attn = LatentAttention(cfg)
         else:
             self.self_attn = SelfAttention(cfg)

@@ -14,7 +14,6 @@ Every failure is a named ``ModelLoadError`` that says what to fix.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dspark_ray.model.checkpoint import is_gguf, locate, tensor_handles
+from dspark_ray.model.checkpoint import is_gguf, locate, tensor_handles, weight_files
 from dspark_ray.model.config import ModelConfig
 from dspark_ray.model.gguf import release as release_gguf
 from dspark_ray.model.errors import (
@@ -36,9 +35,10 @@ from dspark_ray.model.cpu_gemm import pack_weights
 from dspark_ray.model.fp8 import Fp8Checkpoint, refuse_unscaled_float8
 from dspark_ray.model.llama import CausalLM, fuse_projections
 from dspark_ray.model.moe import Router
+from dspark_ray.model.parallel import TensorParallel, shard_slice
 from dspark_ray.model.quantized import attach_gemms, keep_blocks
 from dspark_ray.model.rope import rope_inv_freq
-from dspark_ray.model.tp import TensorParallel, shard, shard_slice
+from dspark_ray.model.tp import shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # GGUF weights: "auto" keeps the file's blocks where a kernel reads them, "none" dequantizes all.
@@ -73,39 +73,6 @@ def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
         (a @ a).sum().item()
     except (RuntimeError, TypeError) as exc:
         raise UnsupportedDtype(f"device {device} cannot run {dtype}: {exc}; choose another dtype") from exc
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder, in shard order."""
-    single = path / "model.safetensors"
-    index = path / "model.safetensors.index.json"
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        shards = sorted(set(_weight_map(index).values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise CheckpointFileMissing(
-                f"{index} lists shards that are not in {path}: {', '.join(missing)}; copy them there"
-            )
-        return [path / s for s in shards]
-    raise CheckpointFileMissing(
-        f"no model.safetensors or model.safetensors.index.json in {path}; "
-        "convert the checkpoint to safetensors (PyTorch .bin files are not loaded)"
-    )
-
-
-def _weight_map(index: Path) -> dict[str, str]:
-    """tensor name -> shard file, from a model.safetensors.index.json."""
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise ModelLoadError(f"{index} is not a JSON object: {exc}; re-save the checkpoint") from exc
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ModelLoadError(
-            f"{index} has no 'weight_map' of tensor names to shard files; re-save the checkpoint"
-        )
-    return weight_map
 
 
 def load(

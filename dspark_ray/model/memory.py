@@ -427,7 +427,7 @@ class Checkpoint:
     @classmethod
     def of(cls, raw: dict, device: str = "cuda", dtype: str = "auto", quantization: str = "auto",
            name: str = "") -> Checkpoint:
-        """``dtype`` auto: float32 on CPU, the checkpoint's on CUDA (engine/local.runtime_dtype).
+        """``dtype`` auto: float32 on CPU, the checkpoint's on CUDA (engine/dtypes.runtime_dtype).
         ``quantization``: auto keeps FP8 weights FP8 on CUDA and dequantizes them on CPU, as the
         loader does, and a GGUF file's blocks where a kernel reads them on ``device``; fp8 plans FP8
         blocks of 128 x 128 (or the checkpoint's); none plans every weight in ``dtype``."""

@@ -46,7 +46,7 @@ from torch import nn
 
 from dspark_ray.model.config import ModelConfig, RopeScaling
 from dspark_ray.model.errors import UnsupportedArchitecture
-from dspark_ray.model.llama import Attention, Linear, RMSNorm, apply_rope
+from dspark_ray.model.layers import Attention, Linear, RMSNorm, apply_rope
 
 
 def apply_rope_interleaved(

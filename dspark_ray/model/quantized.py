@@ -126,8 +126,9 @@ def keep_blocks(model: nn.Module, tensors: dict, device: torch.device, dtype: to
     """On the meta model (after sharding, before ``to_empty``): make every weight whose GGUF type a
     kernel reads here, and whose tensor-parallel slice keeps whole blocks, a uint8 buffer of this
     rank's blocks (module docstring). ``tensors``: name -> ``GgufTensor``. Returns the names kept."""
-    from dspark_ray.model.llama import CausalLM, Linear
-    from dspark_ray.model.tp import shard_slice
+    from dspark_ray.model.layers import Linear
+    from dspark_ray.model.llama import CausalLM
+    from dspark_ray.model.parallel import shard_slice
 
     types = kernel_types(device)
     kept: set[str] = set()
@@ -160,7 +161,8 @@ def keep_blocks(model: nn.Module, tensors: dict, device: torch.device, dtype: to
 def attach_gemms(model: nn.Module) -> None:
     """After loading and fusing: a ``BlockGemm`` for every linear (and fused projection) holding blocks,
     and the LM head's (its own blocks, or a tied embedding's)."""
-    from dspark_ray.model.llama import CausalLM, FusedLinears
+    from dspark_ray.model.layers import FusedLinears
+    from dspark_ray.model.llama import CausalLM
 
     for module in model.modules():
         owners = [module] if isinstance(module, nn.Linear) else []

@@ -32,7 +32,7 @@ import torch
 
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
-from dspark_ray.model.tp import CollectiveTimer
+from dspark_ray.model.parallel import CollectiveTimer
 from dspark_ray.serve.channel import ChannelServer, serve_call
 from dspark_ray.serve.cores import CoreClaim, claim_and_bind
 from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink
@@ -203,7 +203,7 @@ class TargetShard(_ChannelWorker):
 
     def _setup(self, master_addr: str, master_port: int, with_draft: bool, context_window: int | None) -> int:
         from dspark_ray.engine.local import make_draft_proposer, make_target_runner
-        from dspark_ray.model.tp import TensorParallel
+        from dspark_ray.model.parallel import TensorParallel
 
         cfg = self.config
         tp = None
