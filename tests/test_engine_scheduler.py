@@ -61,7 +61,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _step(self, accepted_of) -> None:
         before = {r.req_id: (len(r.output_token_ids), r.status) for r in self.live.values()}
         plan = self.sched.schedule()
-        rows = plan.rows
+        rows = plan.requests
+        k_of = {row.req.req_id: row.k for row in plan.rows}
         ids = [r.req_id for r in rows]
         assert rows, "work was waiting but the step scheduled nothing"
         assert len(ids) == len(set(ids)) <= self.sched.config.max_num_seqs
@@ -77,7 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert before[r.req_id][1] is Status.WAITING
         fed = 0
         for r in rows:  # the target appends unseen + drafts for every row (a partial chunk: the chunk)
-            k = plan.spec_tokens[r.req_id]
+            k = k_of[r.req_id]
             assert 0 <= k <= min(r.num_spec_tokens, r.remaining_tokens() - 1)
             assert self.held.get(r.req_id, 0) == r.target_len
             if r.prefill_chunk:
@@ -102,7 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.held[r.req_id] = r.target_len
                 r.prefill_chunk = 0
                 continue
-            k = plan.spec_tokens[r.req_id]
+            k = k_of[r.req_id]
             accepted = accepted_of(k)
             old = r.num_tokens
             r.output_token_ids += [7] * (accepted + 1)
@@ -169,6 +170,6 @@ def test_preempted_victim_is_not_rescheduled_in_the_same_step():
     assert sched.kv_in_use() == 98
     plan = sched.schedule()
     assert [r.req_id for r in plan.preempted] == ["r3"]
-    assert [r.req_id for r in plan.rows] == ["r0", "r1", "r2"]
-    need = sum(r.num_tokens - r.target_len for r in plan.rows)
+    assert [r.req_id for r in plan.requests] == ["r0", "r1", "r2"]
+    need = sum(r.num_tokens - r.target_len for r in plan.requests)
     assert sched.kv_in_use() + need <= 100

@@ -408,8 +408,8 @@ class Engine:
         if not plan.rows:
             self._flush_releases()
             return outputs
-        steady = self._steady(plan.rows)
-        sampling = {r.req_id: self._sampling(r) for r in plan.rows}  # built once, sent to draft and target
+        steady = self._steady(plan.requests)
+        sampling = {r.req_id: self._sampling(r) for r in plan.requests}  # built once, sent to draft and target
         if self._target_drafts(plan):
             result, proposal = self._run_drafting_target(plan, sampling)
             t2 = t1 + (result.propose_s if result is not None else 0.0)  # one call: the proposal's share is "propose"
@@ -504,7 +504,7 @@ class Engine:
         if left:
             self._admissions_paused_until = time.monotonic() + self.SLOT_RETRY_S
             self.scheduler.return_unadmitted(left)
-            plan.rows = [r for r in plan.rows if r not in left]
+            plan.drop(left)
 
     def _sampling(self, req: Request) -> SamplingRow:
         p = req.params
@@ -534,7 +534,7 @@ class Engine:
         """The target drafts this step itself (TargetStep.propose): it holds the proposer and no row
         has a grammar (whose masks the engine computes from the drafts before verification)."""
         return (self.draft is not None and getattr(self.target, "drafts", False)
-                and all(r.grammar is None for r in plan.rows))
+                and all(r.grammar is None for r in plan.requests))
 
     def _run_drafting_target(self, plan: StepPlan, sampling: dict[str, SamplingRow]
                              ) -> tuple[VerifyResult | None, dict[str, tuple[list[int], None]]]:
@@ -575,7 +575,7 @@ class Engine:
         if any(q is not None for _, q in drafts.values()):
             some_q = next(q for _, q in drafts.values() if q is not None)
             probs = torch.zeros((len(plan.rows), *some_q.shape), dtype=some_q.dtype, device=some_q.device)
-        for i, r in enumerate(plan.rows):
+        for i, r in enumerate(plan.requests):
             toks, q = drafts.get(r.req_id, ([], None))
             # The prompt is scored when it is first fed (not again after a preemption's recompute).
             score_prompt = r.params.prompt_logprobs if r.target_len == 0 and r.prompt_logprobs is None else None
@@ -595,12 +595,12 @@ class Engine:
         grammar allows no token at all ends here with an error, and leaves
         the plan."""
         masks = {}
-        for r in [r for r in plan.rows if r.grammar is not None and not r.prefill_chunk]:
+        for r in [r for r in plan.requests if r.grammar is not None and not r.prefill_chunk]:
             toks, q = drafts.get(r.req_id, ([], None))
             try:
                 masks[r.req_id], n = r.grammar.masks(toks)
             except GrammarError as exc:
-                plan.rows.remove(r)
+                plan.drop([r])
                 drafts.pop(r.req_id, None)
                 self.scheduler.remove(r)
                 r.error = f"{GRAMMAR_ERROR} {exc}"
@@ -638,7 +638,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         drafted = self._take_drafted()
-        busy = {r.req_id for r in drafted.plan.rows} if drafted else set()
+        busy = {r.req_id for r in drafted.plan.requests} if drafted else set()
         self._choose_k()
         if self.scheduler.step_k == 0:
             return self._whole_batch_step(drafted, busy, outputs, t0)
@@ -647,9 +647,9 @@ class Engine:
         if not plan.rows and drafted is None:
             self._flush_releases()
             return outputs
-        sampling = {r.req_id: self._sampling(r) for r in plan.rows}
-        reserved = {r.req_id: self.scheduler.need(r) for r in plan.rows}
-        steady = self._steady(plan.rows) and (drafted is None or drafted.steady)
+        sampling = {r.req_id: self._sampling(r) for r in plan.requests}
+        reserved = {r.req_id: self.scheduler.need(r) for r in plan.requests}
+        steady = self._steady(plan.requests) and (drafted is None or drafted.steady)
         # Both calls go out before either is waited for.
         proposing = self._send_proposal(plan, sampling, self.draft.propose_async)
         verifying = batch = None
@@ -662,7 +662,7 @@ class Engine:
         # The draft's reply first: the structured-output masks of the rows it drafted (for their
         # verification next step) are computed while the target may still be verifying.
         drafts = self._collect_proposal(proposing)
-        masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.rows) else {}
+        masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.requests) else {}
         t2 = time.perf_counter()
         result = None
         if isinstance(verifying, Exception):
@@ -680,9 +680,9 @@ class Engine:
         else:
             if drafted is not None:
                 outputs += self._commit(drafted.plan, drafted.drafts, result)
-            live = [r for r in plan.rows if not r.finished]
+            live = [r for r in plan.requests if not r.finished]
             if live:
-                plan.rows = live
+                plan.drop([r for r in plan.requests if r.finished])
                 self._drafted = _Drafted(plan, sampling, drafts, {r.req_id: reserved[r.req_id] for r in live},
                                          self._steady(live),
                                          {k: v for k, v in masks.items() if k in {r.req_id for r in live}})
@@ -708,10 +708,10 @@ class Engine:
         if not plan.rows and drafted is None:
             self._flush_releases()
             return outputs
-        steady = self._steady(plan.rows) and (drafted is None or drafted.steady)
-        sampling = {r.req_id: self._sampling(r) for r in plan.rows}
+        steady = self._steady(plan.requests) and (drafted is None or drafted.steady)
+        sampling = {r.req_id: self._sampling(r) for r in plan.requests}
         drafts = self._run_speculation(plan, sampling)
-        masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.rows) else {}
+        masks = self._grammar_masks(plan, drafts) if any(r.grammar is not None for r in plan.requests) else {}
         t2 = time.perf_counter()
         if drafted is not None:
             plan.rows[:0] = drafted.plan.rows
@@ -726,11 +726,10 @@ class Engine:
         drafted, self._drafted = self._drafted, None
         if drafted is None:
             return None
-        rows = [r for r in drafted.plan.rows if r.status is Status.RUNNING]
-        if not rows:
+        drafted.plan.drop([r for r in drafted.plan.requests if r.status is not Status.RUNNING])
+        if not drafted.plan.rows:
             return None
-        drafted.plan.rows = rows
-        keep = {r.req_id for r in rows}
+        keep = {r.req_id for r in drafted.plan.requests}
         drafted.reserved = {k: v for k, v in drafted.reserved.items() if k in keep}
         return drafted
 
@@ -757,17 +756,18 @@ class Engine:
                       ) -> tuple[list[Request], list, list[ProposeRow]] | None:
         """``plan``'s speculating rows, the context states going with them, and their ProposeRows;
         None if none speculates."""
-        rows = [r for r in plan.rows if plan.spec_tokens[r.req_id] > 0]
-        if not rows:
+        speculating = [row for row in plan.rows if row.k > 0]
+        if not speculating:
             return None
+        rows = [row.req for row in speculating]
         alone = len(rows) == len(self.scheduler.running) == 1 and not self.scheduler.waiting
-        propose_rows = [
-            ProposeRow(r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), plan.spec_tokens[r.req_id],
-                       sampling[r.req_id],
-                       None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)),
-                       r.context, alone, r.context_push)
-            for r in rows
-        ]
+        propose_rows = []
+        for row in speculating:
+            r = row.req
+            propose_rows.append(ProposeRow(
+                r.slot, r.epoch, r.draft_len, r.tokens_from(r.draft_len), row.k, sampling[r.req_id],
+                None if r.grammar is None else GrammarRow(r.grammar.source, tuple(r.output_token_ids)),
+                r.context, alone, r.context_push))
         return rows, [r.context for r in rows], propose_rows
 
     def _collect_proposal(self, proposing) -> dict[str, tuple[list[int], torch.Tensor | None]]:
@@ -810,7 +810,7 @@ class Engine:
 
     def _commit(self, plan: StepPlan, drafts: dict, result: VerifyResult) -> list[RequestOutput]:
         outputs = []
-        for i, (r, accepted, emitted) in enumerate(zip(plan.rows, result.num_accepted, result.emitted)):
+        for i, (r, accepted, emitted) in enumerate(zip(plan.requests, result.num_accepted, result.emitted)):
             if result.context is not None and result.context[i] is not None and r.num_spec_tokens:
                 new = result.context[i]
                 r.context = new.last(self.context_window) if r.context is None else \

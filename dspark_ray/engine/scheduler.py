@@ -52,12 +52,28 @@ class SchedulerConfig:
             raise ValueError(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens}")
 
 
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One row of a step's batch: a request and the draft tokens it verifies this step."""
+
+    req: Request
+    k: int  # draft tokens proposed and verified: 0 for a prefill (chunk) and a request's first step
+
+
 @dataclass
 class StepPlan:
-    rows: list[Request] = field(default_factory=list)  # this step's batch, in row order
-    spec_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> k this step
+    rows: list[ScheduledRow] = field(default_factory=list)  # this step's batch, in row order
     admitted: list[Request] = field(default_factory=list)  # new: need a slot before the step
     preempted: list[Request] = field(default_factory=list)  # their target KV must be freed
+
+    @property
+    def requests(self) -> list[Request]:
+        """The rows' requests, in row order."""
+        return [row.req for row in self.rows]
+
+    def drop(self, reqs: Collection[Request]) -> None:
+        """Take ``reqs`` out of the batch (they did not get a slot, or ended before the step ran)."""
+        self.rows = [row for row in self.rows if row.req not in reqs]
 
 
 class Scheduler:
@@ -161,6 +177,7 @@ class Scheduler:
         on top of ``target_len`` while in flight; ``max_rows`` caps this half.
         """
         plan = StepPlan()
+        rows: list[Request] = []  # the batch so far, in row order
         cfg = self.config
         kv_free = cfg.kv_pool_tokens - self.kv_in_use() - reserved
         max_rows = cfg.max_num_seqs if max_rows is None else min(max_rows, cfg.max_num_seqs)
@@ -171,32 +188,32 @@ class Scheduler:
         running = [r for r in running if r.num_tokens - r.target_len <= 1] + \
                   [r for r in running if r.num_tokens - r.target_len > 1]
         for req in running:
-            if len(plan.rows) >= max_rows:
+            if len(rows) >= max_rows:
                 break
             if req.status is not Status.RUNNING or req.req_id in busy:  # preempted earlier in this step: it waits
                 continue
             # Only a request with committed KV continues in the slot it holds (new and preempted
             # ones come through the waiting queue; a chunk in flight is the other half's, busy).
             assert req.target_len > 0, f"{req.req_id} runs with no committed KV"
-            chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not plan.rows)
+            chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not rows)
             if chunk is None:  # the budget is spent: no prefill may take what decode rows could not
                 full = True
                 break
             req.prefill_chunk = chunk
             need = self.need(req)
-            while need > kv_free and (freed := self._preempt_one(plan, protect=req)) is not None:
+            while need > kv_free and (freed := self._preempt_one(plan, rows, protect=req)) is not None:
                 kv_free += freed  # the rows planned so far keep what they reserved
             if need > kv_free:
                 req.prefill_chunk = 0
                 break
             kv_free -= need
             tokens += req.prefill_chunk or need
-            plan.rows.append(req)
-        while self.waiting and len(plan.rows) < max_rows and not plan.preempted and not full:
+            rows.append(req)
+        while self.waiting and len(rows) < max_rows and not plan.preempted and not full:
             req = self.waiting[0]
             if req.status is Status.WAITING and not admit:
                 break
-            chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not plan.rows)
+            chunk = self._fit(req, cfg.max_num_batched_tokens - tokens, first=not rows)
             if chunk is None:
                 break
             req.prefill_chunk = chunk
@@ -211,8 +228,8 @@ class Scheduler:
             self.running.append(req)
             kv_free -= need
             tokens += req.prefill_chunk or need
-            plan.rows.append(req)
-        plan.spec_tokens = {r.req_id: 0 if r.prefill_chunk else self.spec_tokens_for(r) for r in plan.rows}
+            rows.append(req)
+        plan.rows = [ScheduledRow(r, 0 if r.prefill_chunk else self.spec_tokens_for(r)) for r in rows]
         return plan
 
     def _rotated_running(self) -> list[Request]:
@@ -222,13 +239,13 @@ class Scheduler:
         self._rotation = (self._rotation + self.config.max_num_seqs) % n
         return self.running[self._rotation:] + self.running[: self._rotation]
 
-    def _preempt_one(self, plan: StepPlan, protect: Request) -> int | None:
-        """Preempt the newest running request other than ``protect`` and those already planned.
+    def _preempt_one(self, plan: StepPlan, planned: list[Request], protect: Request) -> int | None:
+        """Preempt the newest running request other than ``protect`` and those already ``planned``.
 
         Returns the KV tokens it frees, or None when there is no victim.
         """
         for victim in reversed(self.running):
-            if victim is protect or victim in plan.rows or victim.req_id in self._busy:
+            if victim is protect or victim in planned or victim.req_id in self._busy:
                 continue
             freed = victim.target_len
             self.running.remove(victim)
