@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 
 from conftest import REPO
-from dspark_ray.serve.config import AppConfig
+from dspark_ray.engine.config import EngineConfig
+from dspark_ray.serve.config import DERIVED_ENGINE_FIELDS, AppConfig
 
 DEPLOY = REPO / "deploy"
 
@@ -69,6 +72,30 @@ def test_step_token_budget_reaches_the_engine():
     assert app_args("dspark-2x-spark.yaml")["max_num_batched_tokens"] == app_args("dspark-2x-spark.yaml")["max_context"]
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         AppConfig(**{**args, "max_num_batched_tokens": 0})
+
+
+def test_every_engine_field_is_an_app_field_of_the_same_name_or_derived():
+    """AppConfig.engine_config() passes every EngineConfig field through by name but the few it
+    computes (DERIVED_ENGINE_FIELDS), so a field added to EngineConfig must be added to AppConfig
+    (with its description) or listed there; this names the one that is neither."""
+    engine = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert set(DERIVED_ENGINE_FIELDS) <= set(engine), set(DERIVED_ENGINE_FIELDS) - set(engine)
+    missing = [name for name in engine if name not in DERIVED_ENGINE_FIELDS and name not in AppConfig.model_fields]
+    assert not missing, f"EngineConfig field(s) {missing} are neither AppConfig fields nor DERIVED_ENGINE_FIELDS"
+    # Values other than the defaults reach the engine unchanged; the derived ones as computed.
+    args = {**app_args("dspark-tp2.yaml"), "num_speculative_tokens": 3, "adaptive_speculation": False,
+            "speculation_max_batch": 5, "confidence_verification": False, "draft_window": 24, "max_context": 384,
+            "kv_pool_tokens": 4000, "max_num_seqs": 9, "max_num_batched_tokens": 1000, "draft_dtype": None,
+            "quantization": "none", "enable_prefix_caching": False, "memory_utilization": 0.8,
+            "cuda_graphs": False, "capacity": 12, "num_replicas": 3, "draft_ahead": True}
+    app = AppConfig(**args)
+    config = app.engine_config()
+    for name in engine:
+        if name not in DERIVED_ENGINE_FIELDS:
+            assert getattr(config, name) == getattr(app, name), name
+    assert (config.capacity, config.pipeline, config.draft_ahead) == (4, True, True)
+    target = AppConfig(**{**args, "draft_placement": "target"}).engine_config()
+    assert (target.pipeline, target.draft_ahead) == (False, False)
 
 
 def test_every_config_shows_its_replica_count():

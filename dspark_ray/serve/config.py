@@ -1,11 +1,14 @@
 """AppConfig: the Serve application's settings, as written in deploy/*.yaml `args:`.
 
 Every field has a description; validation errors say how to fix the value.
-``engine_config()`` turns it into the engine's internal frozen dataclass.
+``engine_config()`` turns it into the engine's internal frozen dataclass: the
+fields the two share by name pass through, ``DERIVED_ENGINE_FIELDS`` are
+computed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +18,11 @@ from dspark_ray.engine.config import EngineConfig
 from dspark_ray.model.checkpoint import REPO_ROOT, describe, is_gguf, locate
 
 # The repository root (the shipped pair and bench/ live there), re-exported for the CLI.
-__all__ = ["AppConfig", "REPO_ROOT"]
+__all__ = ["DERIVED_ENGINE_FIELDS", "AppConfig", "REPO_ROOT"]
+
+# The EngineConfig fields that AppConfig.engine_config() computes; every other one is AppConfig's field
+# of the same name (tests/test_deploy_configs.py holds every EngineConfig field to one or the other).
+DERIVED_ENGINE_FIELDS = ("capacity", "pipeline", "draft_ahead")
 
 
 def _located(loc: tuple, message: str) -> str:
@@ -426,28 +433,14 @@ class AppConfig(BaseModel):
         return -(-self.capacity // self.max_replicas)
 
     def engine_config(self) -> EngineConfig:
-        """One replica's engine: its capacity is the replica's slots (``slots_per_replica``), not the app's."""
+        """One replica's engine: every ``EngineConfig`` field takes this config's field of the same name,
+        but for ``DERIVED_ENGINE_FIELDS``: the capacity is the replica's slots (``slots_per_replica``), not
+        the application's, and pipelining and drafting ahead need a draft worker of its own."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)
+                  if f.name not in DERIVED_ENGINE_FIELDS}
         return EngineConfig(
-            model=self.model,
-            draft=self.draft,
-            num_speculative_tokens=self.num_speculative_tokens,
-            adaptive_speculation=self.adaptive_speculation,
-            speculation_max_batch=self.speculation_max_batch,
-            confidence_verification=self.confidence_verification,
-            draft_window=self.draft_window,
+            **shared,
             capacity=self.slots_per_replica,
-            max_context=self.max_context,
-            kv_pool_tokens=self.kv_pool_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            dtype=self.dtype,
-            draft_dtype=self.draft_dtype,
-            device=self.device,
-            quantization=self.quantization,
             pipeline=self.pipeline and self.draft_placement == "worker",
             draft_ahead=self.draft_ahead and self.draft_placement == "worker",
-            enable_prefix_caching=self.enable_prefix_caching,
-            memory_utilization=self.memory_utilization,
-            cuda_graphs=self.cuda_graphs,
-            compile_model=self.compile_model,
         )
