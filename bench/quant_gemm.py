@@ -18,11 +18,13 @@ call included) and GB/s of that method's own weight bytes (the box reads ~31-35 
 
 ``--step`` times the model's 211 linears themselves, one after another as a decode step calls
 them (30 layers of q, k, v, o, gate, up, down, then the LM head: ~96 MB of blocks, so nothing is
-in cache from one step to the next), rather than summing the per-shape cells.
+in cache from one step to the next), rather than summing the per-shape cells; ``--fused`` with
+q/k/v and gate/up fused (``QuantWeight.cat_rows``): 121 calls.
 
     python bench/quant_gemm.py                         # all shapes, M = 1, 2, 4, 8, 16, 32
     python bench/quant_gemm.py --rows 1 --rounds 9 --threads 1 2
     python bench/quant_gemm.py --step --rows 1 8 32
+    python bench/quant_gemm.py --step --fused
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ SHAPES = (  # name, in_features, out_features, GGML type, linears of this shape 
     ("lm_head 576->49152", 576, 49152, quant.Q8_0, 1),
 )
 LAYER = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))  # (K, N) in call order
+FUSED_LAYER = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # q/k/v and gate/up each one weight (cat_rows)
 LAYERS, LM_HEAD = 30, (576, 49152)
 ROWS = (1, 2, 4, 8, 16, 32)
 COLD_BYTES = 96 << 20  # bytes of copies a round reads, so that no call finds its weight in cache
@@ -122,14 +125,14 @@ def per_shape(args: argparse.Namespace, g: torch.Generator) -> None:
 
 
 def step(args: argparse.Namespace, g: torch.Generator) -> None:
-    """The 211 linears in a decode step's order, each its own weight (~96 MB of blocks)."""
-    shapes = [kn for _ in range(LAYERS) for kn in LAYER] + [LM_HEAD]
+    """The linears in a decode step's order, each its own weight (~96 MB of blocks)."""
+    shapes = [kn for _ in range(LAYERS) for kn in (FUSED_LAYER if args.fused else LAYER)] + [LM_HEAD]
     weights = [quant.QuantWeight(quant.random_blocks(qt, (n, k), g), qt, (n, k))
                for k, n in shapes for qt in [quant.Q8_0 if (k, n) == LM_HEAD else quant.Q4_1]]
     mb = sum(w.nbytes for w in weights) / 1e6
     cols = [(f"q {path} x{t}", t, [quant.QuantGemm(w, int8=path == "int8") for w in weights])
             for path in ("f32", "int8") for t in args.threads]
-    print(f"\nthe model's 211 linears called in order ({mb:.1f} MB of blocks): ms a step (GB/s)")
+    print(f"\nthe model's {len(weights)} linears called in order ({mb:.1f} MB of blocks): ms a step (GB/s)")
     print(f"{'M':>4} " + "".join(f"{label:>17}" for label, _, _ in cols))
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
@@ -152,13 +155,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="thread counts to compare")
     parser.add_argument("--shapes", type=str, nargs="*", default=None, help="name prefixes, e.g. lm_head")
     parser.add_argument("--step", action="store_true", help="time the 211 linears in a step's order instead")
+    parser.add_argument("--fused", action="store_true", help="with --step: q/k/v and gate/up fused (121 calls)")
     args = parser.parse_args()
     if quant._library() is None:
         raise SystemExit("the CPU kernels are not built here (no C compiler?)")
     g = torch.Generator().manual_seed(0)
     print(f"int8 path on VNNI: {quant.int8_native()}; {os.cpu_count()} CPUs; load average at start "
           f"{os.getloadavg()[0]:.2f}; us a call (GB/s of that method's weight bytes)")
-    step(args, g) if args.step else per_shape(args, g)
+    if args.step:
+        step(args, g)
+    else:
+        per_shape(args, g)
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 

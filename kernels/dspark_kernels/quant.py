@@ -41,14 +41,31 @@ accurate as x's rounding to 8 bits (error bounds in tests/test_kernels_quant.py)
 Tensor parallelism slices a weight on block boundaries: ``slice_rows`` keeps output rows (column
 parallel: any rows), ``slice_cols`` keeps input columns (row parallel: a multiple of the block).
 
-NOTE: measured on the 2-core development box (AMD EPYC, AVX-512 with VNNI and BF16, 2.6 GHz, one
-thread; bench/quant_gemm.py): both C paths are bound by one core's arithmetic, not by memory, at
-one row. With the weight in cache the float path decodes Q4_1 at ~8-9 GB/s of blocks (~6 cycles a
-32-weight block: a 16-entry table d * q + m, two lookups, two multiply-adds) and the int8 path at
-~17-18 GB/s; from memory, the LM head (Q8_0, 30 MB) took ~2.0 and ~1.5-1.9 ms. The kernel reads
-one weight row after another: reading four rows side by side halved the rate from memory. A
-``QuantGemm`` call costs ~4 us of Python and ctypes besides the kernel, so fusing q/k/v and gate/up
-(``QuantWeight.cat_rows``) saves three calls a layer.
+Threads (``set_threads``; the engine passes its torch thread count): a big enough call is split by
+output rows between its calling thread and the C library's own small pool of pthreads (not OpenMP,
+which would fight torch's libgomp for the cores); each output row is computed whole by one thread,
+so the bits are the same on any thread count. Idle workers spin 200 us, then sleep: a process that
+has used them and waits burns no CPU. Details in csrc/quant_gemm.c.
+
+NOTE: measured on the 2-core development box (AMD EPYC KVM, AVX-512 with VNNI and BF16, 2.6 GHz,
+~31-35 GB/s; bench/quant_gemm.py). On one thread both C paths are bound by the core's arithmetic,
+not by memory, at one row: with the weight in cache the float path decodes Q4_1 at ~8-9 GB/s of
+blocks (~6 cycles a 32-weight block: a 16-entry table d * q + m, two lookups, two multiply-adds),
+the int8 path at ~17-18 GB/s. At M >= 4 the float path takes ~2.5 cycles per (row of x, weight row,
+32-block) and the int8 path ~1.7-2.2, near what their instructions allow (two multiply-adds; two
+VNNI dot products and four float operations per 4 blocks), so a register-tiled kernel, which would
+save loads only, was not written. The kernel reads one weight row after another: reading four rows
+side by side halved the rate from memory. The 211 linears of SmolLM2-135M in a step's order, cold
+(96 MB), box otherwise idle, ms on 1 -> 2 threads:
+
+    M             1            8            32
+    float     11.2 -> 6.8  35.6 -> 19.2  130.5 -> 68.5
+    int8      10.5 -> 6.1  24.0 -> 15.1   83.2 -> 49.5
+    int8, q/k/v and gate/up fused (121 calls): 8.6 -> 4.4 at M = 1 (22 GB/s), 82.0 -> 43.7 at 32
+
+The LM head alone (Q8_0, 30 MB) at M = 1: ~2.0 ms on one thread, ~0.9-1.3 on two (~30 GB/s: the
+memory). A ``QuantGemm`` call costs ~4 us of Python and ctypes besides the kernel, which is why
+fusing (``QuantWeight.cat_rows``) saves most of what is left at M = 1.
 """
 
 from __future__ import annotations

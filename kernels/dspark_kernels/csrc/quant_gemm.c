@@ -458,7 +458,7 @@ static int64_t run_chunks(void) {
 }
 
 /* A worker's CPUs: those it may run on as the process bound it (`base`), and those it took itself
- * (`mine`, a subset), so that a later binding by the process (serve/cores.py) is followed. */
+ * (`mine`, a subset), so that a later binding by the process (runtime/cores.py) is followed. */
 typedef struct {
 #if defined(__linux__)
     cpu_set_t base, mine;
