@@ -515,7 +515,8 @@ def test_ring_never_mixes_slots_under_a_random_schedule(seed):
     ({"hidden_size": 24}, DraftTargetMismatch, ["hidden_size", "24", "hidden_size 32"]),
     ({"target_hidden_size": 40}, DraftTargetMismatch, ["target_hidden_size", "40", "hidden_size 32"]),
     ({"vocab_size": 50}, DraftTargetMismatch, ["vocab_size", "50", "vocab_size 48"]),
-    ({"draft_vocab_size": 40}, DraftTargetMismatch, ["draft_vocab_size", "40", "vocab_size 48"]),
+    ({"draft_vocab_size": 50}, DSparkConfigError, ["draft_vocab_size", "50", "1..vocab_size (48)"]),
+    ({"draft_vocab_size": 40}, TensorShapeMismatch, ["markov_w2", "(40, 6)"]),  # a reduced head's weights
     ({"mask_token_id": 99}, DSparkConfigError, ["mask_token_id", "99"]),
     ({"mask_token_id": None}, DSparkConfigError, ["mask_token_id"]),
     ({"markov_head_type": "rnn"}, DSparkConfigError, ["markov_head_type"]),

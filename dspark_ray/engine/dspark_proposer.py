@@ -22,7 +22,11 @@ NOTE: one call, for rows whose last token ``x`` (the anchor) sits at position
    verify it: the request's logits rules (penalties, logit bias, min_tokens,
    min_p) on each position given the drafts before it, then the argmax (greedy)
    or a draw from the processed q (temperature, top-k, top-p; keyed by seed
-   and position), q kept in ``Proposal.draft_probs``.
+   and position), q kept in ``Proposal.draft_probs``. A draft with a reduced
+   vocabulary (``draft_vocab_size``) drafts over the target's ids all the
+   same: its logits are placed at their target ids, -inf elsewhere, before the
+   rules and the draw (``DSparkDraft.to_target``), so its q is zero outside
+   its vocabulary and verification stays exact.
 4. **Confidence.** With a confidence head, each draft's estimated acceptance
    given the drafts before it (``Proposal.confidence``, from the position's
    hidden state and the token before it); under adaptive speculation the
@@ -99,6 +103,9 @@ class DSparkProposer:
         self.block_size = cfg.block_size
         self.max_spec_tokens = max_spec_tokens
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < cfg.vocab_size else None
+        self.padding = None  # [N] bool: draft ids whose target ids are padding (a reduced vocabulary)
+        if self.vocab_limit is not None and model.draft_to_target is not None:
+            self.padding = model.draft_to_target >= self.vocab_limit
         weight = model.fc.weight
         self.device = weight.device
         attn = model.layers[0].self_attn
@@ -123,7 +130,7 @@ class DSparkProposer:
         s = self._queries(rows)
         anchor_ids = torch.tensor([r.token_ids[-1] for r in rows], dtype=torch.int64, device=self.device)
         hidden = self.model.block_hidden(anchor_ids, anchor_pos, self.ring.view(slots, anchor_pos), s)
-        base = mask_vocab(self.model.base_logits(hidden), self.vocab_limit)  # [B, S, V]
+        base = self._mask_padding(self.model.base_logits(hidden))  # [B, S, N]
         sampler = RowSampler([r.sampling for r in rows], [p + 1 for p in anchors])
         tokens, _, q, markov = self.model.sample_block(base, anchor_ids, sampler)
         probs = None
@@ -136,6 +143,16 @@ class DSparkProposer:
         if confidence is not None:
             confidence = [c[:r.num_draft] for c, r in zip(confidence.tolist(), rows)]
         return Proposal([out[b][:r.num_draft] for b, r in enumerate(rows)], probs, confidence)
+
+    def _mask_padding(
+        self,
+        base: torch.Tensor,  # [B, S, N] float32 over the draft's vocabulary
+    ) -> torch.Tensor:  # [B, S, N], ids the tokenizer lacks at -inf
+        if self.model.draft_to_target is None:
+            return mask_vocab(base, self.vocab_limit)
+        if self.padding is not None:
+            base[..., self.padding] = float("-inf")
+        return base
 
     def _queries(self, rows: list[ProposeRow]) -> int:
         """The block's queries. A query sees the block's later queries in a non-causal layer, so

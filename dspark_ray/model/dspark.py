@@ -17,12 +17,19 @@ whose last sampled token ``x`` sits at position ``p0``:
    before ``p0`` (a window of it) and the whole block (non-causal; layers a
    checkpoint marks causal see the block up to themselves). Its final norm and
    the target's LM head give base logits ``[S, V]``: position ``j`` predicts
-   the token at ``p0 + j + 1`` (vLLM's ``sample_from_anchor``).
+   the token at ``p0 + j + 1`` (vLLM's ``sample_from_anchor``). A draft with a
+   reduced vocabulary (``draft_vocab_size`` N < V, EAGLE-3's and FR-Spec's
+   idea) has its own LM head of N rows, the target's most frequent output
+   tokens, and a map ``draft_to_target`` of their target ids: its base logits
+   are ``[S, N]`` at N / V of the full head's cost.
 3. **Markov head.** Left to right, position ``j``'s logits get the low-rank
    transition bias ``markov_w2 @ markov_w1[prev]`` of the token before it
    (``x`` for ``j = 0``, then each sampled draft), and the draft token is
    sampled (or argmax'd) from them; the distribution q it was drawn from is
-   kept for lossless verification.
+   kept for lossless verification. With a reduced vocabulary the biased
+   logits are scattered into the target's vocabulary first (-inf elsewhere,
+   as vLLM's speculator does), so tokens are target ids and q is a proper
+   distribution over them, zero outside the draft's N.
 4. **Confidence.** ``sigmoid(proj([hidden_j, markov_w1[prev_j]]))`` estimates
    the chance that draft ``j`` is accepted.
 
@@ -30,7 +37,9 @@ The checkpoint layout is the one vLLM 0.32 loads as speculative method ``dspark`
 (``Qwen3DSparkModel``; DeepSpec's export): tensors ``layers.N.*`` (a Qwen3 decoder
 layer), ``norm``, ``fc``, ``hidden_norm``, ``markov_head.markov_w1/markov_w2``,
 ``confidence_head.proj``; the embeddings and LM head are the target's unless the
-checkpoint ships its own that differ. The paper: DSpark (arXiv 2607.05147); the
+checkpoint ships its own that differ. A reduced vocabulary ships ``lm_head.weight``
+``[N, hidden]`` and ``d2t`` ``[N]`` (int64 offsets: target id = draft id + d2t[draft id],
+EAGLE-3's convention), as vLLM requires. The paper: DSpark (arXiv 2607.05147); the
 block drafting follows DFlash.
 """
 
@@ -58,8 +67,8 @@ from dspark_ray.model.rope import rope_attention_scaling, rope_inv_freq
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
 _QWEN3_ALIAS = "DSparkDraftModel"  # with model_type "qwen3"
 
-# Tensors a DSpark checkpoint may carry that serving does not read: training-only vocabulary maps
-# (refused below when the vocabulary is reduced), DFlash's unused mask placeholder, cached RoPE.
+# Tensors a DSpark checkpoint may carry that serving does not read: the training-only vocabulary map
+# t2d, d2t of a draft whose vocabulary is the target's, DFlash's unused mask placeholder, cached RoPE.
 _IGNORED = ("t2d", "d2t", "mask_embedding", "rotary_emb.inv_freq")
 
 
@@ -108,7 +117,7 @@ class DSparkConfig:
     layer_windows: tuple[int | None, ...]  # per draft layer: sliding window, None = the whole context
     layer_causal: tuple[bool, ...]  # per draft layer: causal within the block
     num_target_layers: int | None = None  # the target the draft was trained for, when it says
-    draft_vocab_size: int | None = None  # the LM head's rows; None = vocab_size
+    draft_vocab_size: int | None = None  # the LM head's rows (a reduced vocabulary); None = vocab_size
     value_scale: float | None = None  # dflash_config.attention_value_scale: V times this
     logit_scale: float = 1.0
     draft_topk: int | None = None  # dspark_draft_topk: the Markov head corrects only the top-k base logits
@@ -128,12 +137,26 @@ class DSparkConfig:
                 f"DSpark config {self.target_layer_key} must be a non-empty, strictly increasing list of "
                 f"layer indices (-1 = the embedding output), got {list(ids)}"
             )
-        if self.draft_topk is not None and not 1 <= self.draft_topk <= self.backbone.vocab_size:
-            raise DSparkConfigError(f"DSpark config dspark_draft_topk must be in 1..vocab_size, got {self.draft_topk}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.backbone.vocab_size:
+            raise DSparkConfigError(f"DSpark config draft_vocab_size must be in 1..vocab_size "
+                                    f"({self.backbone.vocab_size}), got {self.draft_vocab_size}")
+        if self.draft_topk is not None and not 1 <= self.draft_topk <= self.output_vocab_size:
+            raise DSparkConfigError(f"DSpark config dspark_draft_topk must be in 1..{self.output_vocab_size} "
+                                    f"(the draft's vocabulary), got {self.draft_topk}")
 
     @property
     def vocab_size(self) -> int:
         return self.backbone.vocab_size
+
+    @property
+    def output_vocab_size(self) -> int:
+        """The LM head's rows: ``draft_vocab_size``, or the whole vocabulary."""
+        return self.draft_vocab_size or self.backbone.vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the draft proposes from a subset of the target's vocabulary (``d2t`` maps it)."""
+        return self.output_vocab_size < self.backbone.vocab_size
 
     @property
     def hidden_size(self) -> int:
@@ -288,8 +311,16 @@ class TargetHeads:
 
     @classmethod
     def of(cls, target: CausalLM) -> TargetHeads:
-        """From a loaded (unsharded) target model; the tensors are shared, not copied."""
-        return cls(target.config, target.model.embed_tokens.weight.detach(), target.lm_weight.detach())
+        """From a loaded (unsharded) target model; the tensors are shared, not copied, unless the
+        target keeps them as GGUF blocks (dspark_ray/model/quantized.py): then the draft gets
+        float copies (a block draft reads rows of both as float tensors)."""
+        embed_module = target.model.embed_tokens
+        if hasattr(embed_module, "dequantized"):  # a BlockEmbedding
+            embed = embed_module.dequantized()
+        else:
+            embed = embed_module.weight.detach()
+        lm = embed if target.lm_head is None else _float_weight(target.lm_head, embed.dtype)
+        return cls(target.config, embed, lm)
 
     @classmethod
     def read(cls, path: str | Path, dtype: str | torch.dtype | None = "auto",
@@ -309,6 +340,16 @@ class TargetHeads:
         if lm is None:
             raise TensorMissing(f"target checkpoint at {path} lacks 'lm_head.weight' (tie_word_embeddings is false)")
         return cls(cfg, embed, lm)
+
+
+def _float_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's [out, in] weight as a float tensor, dequantizing GGUF blocks kept in place."""
+    qtype = getattr(linear, "qtype", None)
+    if qtype is None:
+        return linear.weight.detach()
+    from dspark_kernels import quant
+
+    return quant.dequantize(linear.weight, qtype, (linear.out_features, linear.in_features)).to(dtype)
 
 
 def check_fits(cfg: DSparkConfig, target: ModelConfig) -> None:
@@ -331,9 +372,6 @@ def check_fits(cfg: DSparkConfig, target: ModelConfig) -> None:
         refuse("hidden_size", cfg.hidden_size, f"hidden_size {target.hidden_size} (the draft shares its embeddings)")
     if cfg.vocab_size != target.vocab_size:
         refuse("vocab_size", cfg.vocab_size, f"vocab_size {target.vocab_size}")
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != target.vocab_size:
-        refuse("draft_vocab_size", cfg.draft_vocab_size,
-               f"vocab_size {target.vocab_size} (reduced draft vocabularies are not implemented)")
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -373,14 +411,16 @@ def greedy(logits: torch.Tensor, step: int) -> tuple[torch.Tensor, None]:
 
 @dataclass(frozen=True)
 class BlockDraft:
-    tokens: torch.Tensor  # [B, S] int64: the proposed tokens, position j at p0 + j + 1
-    logits: torch.Tensor  # [B, S, V] float32: each position's logits, Markov bias applied
+    tokens: torch.Tensor  # [B, S] int64: the proposed tokens (target ids), position j at p0 + j + 1
+    logits: torch.Tensor  # [B, S, V] float32: each position's logits over the target's vocabulary, Markov bias
+    # applied (-inf outside a reduced draft vocabulary)
     probs: torch.Tensor | None  # [B, S, V] float32: q each token was drawn from (zeros on greedy rows)
     confidence: torch.Tensor | None  # [B, S] float32 in (0, 1): estimated acceptance; None without the head
 
 
 class MarkovHead(nn.Module):
-    """The low-rank transition bias: ``markov_w2 @ markov_w1[prev]`` ([V] from the previous token)."""
+    """The low-rank transition bias: ``markov_w2 @ markov_w1[prev]`` (over the draft's vocabulary, from
+    the previous token's target id)."""
 
     def __init__(self, vocab: int, out_vocab: int, rank: int) -> None:
         super().__init__()
@@ -390,7 +430,7 @@ class MarkovHead(nn.Module):
     def embed(self, prev: torch.Tensor) -> torch.Tensor:  # [B] int64 -> [B, r]
         return self.markov_w1(prev)
 
-    def bias(self, embed: torch.Tensor) -> torch.Tensor:  # [B, r] -> [B, V] float32
+    def bias(self, embed: torch.Tensor) -> torch.Tensor:  # [B, r] -> [B, N] float32 (N: the draft's vocabulary)
         return self.markov_w2(embed).float()
 
 
@@ -447,7 +487,9 @@ class BlockAttention:
 class DSparkDraft(nn.Module):
     """A Qwen3 DSpark draft; ``state_dict()`` names are the checkpoint's.
 
-    The embedding and LM head are the target's tensors (``embed``, ``lm_weight``), not parameters.
+    The embedding and LM head are the target's tensors (``embed``, ``lm_weight``), not parameters;
+    with a reduced vocabulary ``lm_weight`` is the draft's own ``[N, hidden]`` head and
+    ``draft_to_target`` ``[N]`` its rows' target ids (a buffer, filled by the loader or the trainer).
     """
 
     def __init__(self, cfg: DSparkConfig, embed: torch.Tensor, lm_weight: torch.Tensor) -> None:
@@ -458,10 +500,13 @@ class DSparkDraft(nn.Module):
         self.norm = RMSNorm(b.hidden_size, b.rms_norm_eps)
         self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, b.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(b.hidden_size, b.rms_norm_eps)
-        self.markov_head = MarkovHead(b.vocab_size, cfg.draft_vocab_size or b.vocab_size, cfg.markov_rank)
+        self.markov_head = MarkovHead(b.vocab_size, cfg.output_vocab_size, cfg.markov_rank)
         in_features = b.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0)
         self.confidence_head = ConfidenceHead(in_features) if cfg.confidence else None
-        self.embed, self.lm_weight = embed, lm_weight  # [V, H] each
+        self.embed, self.lm_weight = embed, lm_weight  # [V, H]; [N, H]
+        # [N] int64: the target ids of a reduced vocabulary's rows; None when it is the target's
+        self.register_buffer("draft_to_target", torch.arange(cfg.output_vocab_size) if cfg.reduced_vocab else None,
+                             persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(b.head_dim, b.rope_theta, b.rope_scaling), persistent=False)
         self.attention_scaling = rope_attention_scaling(b.rope_scaling)
 
@@ -514,30 +559,41 @@ class DSparkDraft(nn.Module):
             x = layer(i, x, cos, sin, attention)
         return self.norm(x)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., V] float32
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., N] float32
+        """The LM head over the draft's vocabulary (N = V unless reduced: ``to_target`` maps it)."""
         logits = F.linear(hidden, self.lm_weight).float()
         return logits * self.config.logit_scale if self.config.logit_scale != 1.0 else logits
+
+    def to_target(self, logits: torch.Tensor) -> torch.Tensor:  # [..., N] -> [..., V]
+        """Draft-vocabulary logits placed at their target ids, -inf at every other id (the same
+        tensor when the draft's vocabulary is the target's)."""
+        if self.draft_to_target is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_to_target, logits)
 
     # (c) the Markov head, left to right
 
     def sample_block(
         self,
-        base: torch.Tensor,  # [B, S, V] float32 base logits
+        base: torch.Tensor,  # [B, S, N] float32 base logits over the draft's vocabulary
         anchor_ids: torch.Tensor,  # [B] int64: the token before position 0
         sample: Sampler = greedy,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """([B, S] tokens, [B, S, V] biased logits, [B, S, V] q or None, [B, S, r] Markov embeddings)."""
-        b, s, v = base.shape
+        """([B, S] tokens, [B, S, V] biased logits, [B, S, V] q or None, [B, S, r] Markov embeddings);
+        tokens, logits and q are over the target's vocabulary (V), whatever the draft's."""
+        b, s, _ = base.shape
+        v = self.config.vocab_size
         if self.config.draft_topk is not None:
             values, candidates = base.topk(self.config.draft_topk, dim=-1)
             base = torch.full_like(base, float("-inf")).scatter_(-1, candidates, values)
         tokens = torch.empty((b, s), dtype=torch.int64, device=base.device)
-        logits = torch.empty_like(base)
+        logits = torch.empty((b, s, v), dtype=base.dtype, device=base.device)
         embeds, probs = [], None
         prev = anchor_ids
         for j in range(s):
             e = self.markov_head.embed(prev)  # [B, r]
-            logits[:, j] = base[:, j] + self.markov_head.bias(e) * self.config.logit_scale
+            logits[:, j] = self.to_target(base[:, j] + self.markov_head.bias(e) * self.config.logit_scale)
             tokens[:, j], q = sample(logits[:, j], j)
             if q is not None:
                 if probs is None:
@@ -600,7 +656,9 @@ def load_dspark(
     """Load the DSpark draft at ``path`` for ``target`` (a loaded model, or ``TargetHeads.read``).
 
     Refuses (``DraftTargetMismatch``) a draft whose target layers, hidden size or vocabulary do not
-    fit the target; ``dtype`` 'auto' takes the target's weights' dtype.
+    fit the target; ``dtype`` 'auto' takes the target's weights' dtype. A reduced vocabulary needs
+    ``d2t``; its LM head is the checkpoint's ``lm_head.weight`` ``[N, hidden]`` (vLLM requires it),
+    or else the target head's rows that ``d2t`` names.
     """
     heads = TargetHeads.of(target) if isinstance(target, CausalLM) else target
     path = Path(path)
@@ -618,21 +676,53 @@ def load_dspark(
     model = model.to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg.backbone.head_dim, cfg.backbone.rope_theta, cfg.backbone.rope_scaling).to(device)
     own = _fill(model, weight_files(path), path)
+    if cfg.reduced_vocab:
+        _place_reduced_head(model, own, path)
+        own.pop("lm_head.weight", None)
+        model.lm_weight = model.lm_weight.to(device, dtype)
     for name, attr, shared in (("embed_tokens.weight", "embed", embed), ("lm_head.weight", "lm_weight", lm)):
         if name in own and not torch.equal(own[name].to(device, dtype), shared):
             setattr(model, attr, own[name].to(device, dtype))  # a draft with its own copy keeps it (as vLLM)
     return model.eval().requires_grad_(False)
 
 
+def _place_reduced_head(model: DSparkDraft, own: dict[str, torch.Tensor], path: Path) -> None:
+    """A reduced vocabulary's map (``d2t`` offsets -> ``draft_to_target``, checked: N distinct target
+    ids) and LM head (the shipped ``[N, hidden]`` rows, or the target's rows it names)."""
+    cfg, n = model.config, model.config.output_vocab_size
+    d2t = own.pop("d2t", None)
+    if d2t is None:
+        raise TensorMissing(f"DSpark checkpoint at {path} has draft_vocab_size {n} < vocab_size {cfg.vocab_size} "
+                            "but no 'd2t' tensor mapping draft ids to target ids")
+    if tuple(d2t.shape) != (n,) or d2t.is_floating_point():
+        raise TensorShapeMismatch(f"tensor 'd2t' must be [draft_vocab_size] = [{n}] integers, got "
+                                  f"{tuple(d2t.shape)} {d2t.dtype}")
+    ids = torch.arange(n) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(ids.unique()) != n:
+        raise ModelLoadError(f"DSpark checkpoint at {path}: 'd2t' must map the {n} draft ids to distinct target "
+                             f"ids in 0..{cfg.vocab_size - 1}")
+    device = model.fc.weight.device
+    model.draft_to_target = ids.to(device)
+    head = own.get("lm_head.weight")
+    if head is None:
+        model.lm_weight = model.lm_weight[model.draft_to_target]
+    elif tuple(head.shape) != (n, cfg.hidden_size):
+        raise TensorShapeMismatch(f"tensor 'lm_head.weight' has shape {tuple(head.shape)} but a draft vocabulary "
+                                  f"of {n} needs ({n}, {cfg.hidden_size})")
+    else:
+        model.lm_weight = head
+
+
 def _fill(model: DSparkDraft, files: list[Path], path: Path) -> dict[str, torch.Tensor]:
-    """Copy the checkpoint's tensors into ``model``; returns the shared ones it ships (embed_tokens, lm_head)."""
+    """Copy the checkpoint's tensors into ``model``; returns the shared ones it ships (embed_tokens, lm_head)
+    and, for a reduced vocabulary, its map ``d2t``."""
     params = dict(model.named_parameters())
     pending, own = set(params), {}
     has_confidence = False
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name in ("embed_tokens.weight", "lm_head.weight"):
+                if name in ("embed_tokens.weight", "lm_head.weight") or (name == "d2t" and model.config.reduced_vocab):
                     own[name] = f.get_tensor(name)
                     continue
                 if name.startswith("confidence_head."):
