@@ -9,6 +9,8 @@
     dspark bench --served --concurrency 1 8 32         # bench/served.py: serve run vs vllm serve, vLLM's client
     dspark loadgen --concurrency 8 --requests 64       # bench/loadgen.py against a local OpenAI server
     dspark plan --model /models/Qwen3-30B-A3B --tp 2 --nodes 2 --memory-gb 128 --max-context 32768 --capacity 16
+    dspark train-drafter --preset smollm2 --out models/smollm2-dspark     # a DSpark draft for a target (2 h here)
+    dspark train-drafter --target /models/Qwen3-8B --out /models/Qwen3-8B-dspark --device cuda
 """
 
 from __future__ import annotations
@@ -135,6 +137,83 @@ def _add_plan_command(sub) -> None:
     plan.set_defaults(func=_plan)
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    """The drafter recipe (dspark_ray/drafter/): its stages in order, each skipped when done."""
+    import dataclasses
+
+    from dspark_ray.drafter import RecipeConfigError, UnknownStage, build_config, run_recipe
+    from dspark_ray.drafter.config import read_overrides
+
+    work = args.work or REPO_ROOT / "models" / ".work" / Path(args.out).name
+    given = (("device", args.device), ("threads", args.threads), ("workers", args.workers), ("steps", args.steps),
+             ("budget_minutes", args.budget_minutes), ("seed", args.seed), ("name", args.name or Path(args.out).name))
+    fields = {k: v for k, v in given if v is not None}
+    try:
+        overrides = read_overrides(args.config) if args.config else {}
+        config = build_config(args.target, Path(args.out), Path(work), args.preset, overrides, **fields)
+        shape = {k: v for k, v in (("layers", args.layers), ("block_size", args.block_size),
+                                   ("taps", tuple(args.taps) if args.taps else None), ("window", args.window))
+                 if v is not None}
+        if args.draft_vocab is not None:
+            shape["draft_vocab"] = args.draft_vocab or None  # 0: the target's whole vocabulary
+        if shape:
+            config = config.replace(draft=dataclasses.replace(config.draft, **shape))
+        if args.no_sweep:
+            config = config.replace(sweep=())
+        if args.no_exclude:
+            config = config.replace(exclude=None)
+        if args.print_config:
+            import json
+
+            print(json.dumps(config.to_json(), indent=2))
+            return 0
+        run_recipe(config, args.stages, args.force)
+    except (RecipeConfigError, UnknownStage) as exc:
+        print(f"dspark train-drafter: {exc}", file=sys.stderr)
+        return 2
+    print(config.out)
+    return 0
+
+
+def _add_train_drafter_command(sub) -> None:
+    from dspark_ray.drafter.recipe import STAGE_NAMES
+
+    t = sub.add_parser("train-drafter", help="train a DSpark block draft for a target: prompts, the target's own "
+                       "answers, its hidden states, distillation, confidence head, acceptance, model card "
+                       "(dspark_ray/drafter/); resumable, each stage skipped when done")
+    t.add_argument("--target", default=DEFAULT_MODEL,
+                   help=f"the target: a checkpoint folder, a .gguf file or package:<distribution>/<file> "
+                   f"(default {DEFAULT_MODEL})")
+    t.add_argument("--out", required=True, type=Path, help="the draft checkpoint folder to write (with its README.md)")
+    t.add_argument("--work", type=Path, default=None,
+                   help="scratch folder of the stages' outputs and log.json (default models/.work/<out's name>)")
+    t.add_argument("--preset", default=None, help="measured settings: smollm2 (the 2-hour CPU run), ci (seconds)")
+    t.add_argument("--config", type=Path, default=None, help="a JSON file of recipe settings (RecipeConfig fields)")
+    t.add_argument("--stages", nargs="+", default=None, metavar="STAGE",
+                   help=f"run only these stages (default: all); stages: {', '.join(STAGE_NAMES)}")
+    t.add_argument("--force", nargs="+", default=(), metavar="STAGE",
+                   help="redo these stages and every stage after them (their outputs are deleted first)")
+    t.add_argument("--budget-minutes", type=float, default=None,
+                   help="the whole recipe's wall time: the train stage takes the steps the other stages leave time for")
+    t.add_argument("--steps", type=int, default=None, help="training steps (at most, under a budget)")
+    t.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
+    t.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1)")
+    t.add_argument("--workers", type=int, default=None,
+                   help="processes of one thread each for the answers and states stages (the smollm2 preset: 2)")
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--name", default=None, help="the draft's name in its card (default: --out's folder name)")
+    t.add_argument("--layers", type=int, default=None, help="draft decoder layers")
+    t.add_argument("--block-size", type=int, default=None, help="queries per block: the most drafts per step")
+    t.add_argument("--taps", type=int, nargs="+", default=None, help="target layers feeding the draft's context")
+    t.add_argument("--window", type=int, default=None, help="context positions a block attends to")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="a reduced draft vocabulary of the N most frequent answer tokens (0: the target's whole one)")
+    t.add_argument("--no-sweep", action="store_true", help="train the configured shape without comparing others")
+    t.add_argument("--no-exclude", action="store_true", help="keep prompts that resemble bench/chat_prompts.jsonl")
+    t.add_argument("--print-config", action="store_true", help="print the resolved settings and stop")
+    t.set_defaults(func=_train_drafter)
+
+
 def _dashboards_build(args: argparse.Namespace) -> int:
     from dspark_ray.ops.dashboards import write_all
 
@@ -242,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     export.set_defaults(func=_export)
     _add_ops_commands(sub)
     _add_plan_command(sub)
+    _add_train_drafter_command(sub)
     for command, (_, help_text) in BENCH_SCRIPTS.items():
         sub.add_parser(command, help=help_text, add_help=False)  # the script parses its own options
 

@@ -1,5 +1,12 @@
 """Recipe for models/shakespeare-dspark: a DSpark block draft for the shipped target.
 
+The general recipe, for any supported target (SmolLM2-135M-Instruct, a user's own model on a CUDA
+box), is ``dspark train-drafter`` (dspark_ray/drafter/: prompts built here, the target's own answers,
+its hidden states, distillation, confidence head, acceptance, model card; the shipped pair is its
+smallest case, ``--preset ci``, which the tests run). This script is kept as what made the shipped
+``shakespeare-dspark``: the same objective over the toy target's natural training text plus its
+greedy continuations, which predates the general recipe; its figures are in models/README.md.
+
 The draft reads the target's residual stream after layers 1, 3, 5 and 7 at every
 committed position (projected by ``fc`` into its two Qwen3 layers' context K/V,
 a sliding window of 64 positions), and proposes a block of 5 tokens in ONE
