@@ -19,7 +19,7 @@ import torch
 from common import DRAFT, TARGET, load_prompts, machine
 from dspark_ray.engine import Engine, EngineConfig, SamplingParams
 from dspark_ray.engine.local import build_local_engine
-from dspark_ray.serve.actors import start_replica_services
+from dspark_ray.runtime.actors import start_replica_services
 from dspark_ray.tokenizer import Tokenizer
 
 

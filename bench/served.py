@@ -70,7 +70,7 @@ same seed: its requests are the level's first ones, and so are in both
 servers' prefix caches, as later rounds' are). From
 its result JSON: output tok/s, requests/s, TTFT mean/p50/p99, TPOT mean/p50,
 ITL p50/p99. For dspark the per-step timeline (``GET /stats``, see
-dspark_ray/serve/timeline.py) is read before and after every run and printed
+dspark_ray/runtime/timeline.py) is read before and after every run and printed
 in ms per engine step, phase by phase, summed over the level's runs.
 
 Before any server starts, the report measures this machine's limit for
@@ -137,7 +137,7 @@ from common import BENCH_DIR, OUT_DIR, REPO, WeightBytes, machine, memory_bandwi
 from metrics import RequestTrace, percentile  # noqa: E402
 
 from dspark_ray.ops.processes import free_port, port_is_free, stop_process, stop_serve_run, wait_port_free  # noqa: E402
-from dspark_ray.serve.timeline import every_replica, per_step_ms, summed  # noqa: E402
+from dspark_ray.runtime.timeline import every_replica, per_step_ms, summed  # noqa: E402
 
 DEFAULT_YAML = REPO / "deploy" / "dspark.yaml"
 VLLM_VENV = BENCH_DIR / ".vllm-venv"
@@ -560,7 +560,7 @@ class Report:
                          "\n\n" + cpu)
         if timeline := timeline_table(medians):
             parts.append("dspark_ray served, per engine step, over all the runs of each level (GET /stats timeline, "
-                         "dspark_ray/serve/timeline.py):\n\n" + timeline)
+                         "dspark_ray/runtime/timeline.py):\n\n" + timeline)
         if self.commands:
             parts.append("Commands:\n\n```\n" + "\n".join(self.commands) + "\n```")
         parts += [f"Note: {n}" for n in self.notes]

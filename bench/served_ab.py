@@ -60,7 +60,7 @@ def two_apps(yaml_a: Path, yaml_b: Path, port: int, folder: Path) -> Path:
         args.update(http_host=HOST, http_port=p)
         # Which application a process is of (its replicas through the runtime env, its workers through
         # worker_env_vars), so that the idle one can be frozen. Each application also claims CPUs in a
-        # directory of its own (bind_cores, dspark_ray/serve/cores.py): only one runs at a time, and it
+        # directory of its own (bind_cores, dspark_ray/runtime/cores.py): only one runs at a time, and it
         # should bind as it would alone, not find half the cores claimed by the frozen one.
         args["worker_env_vars"] = {**(args.get("worker_env_vars") or {}), APP_MARK: mark,
                                    "DSPARK_CORES_DIR": str(folder / f"cores-{mark}")}

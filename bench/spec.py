@@ -30,7 +30,7 @@ import torch
 
 from common import DRAFT, DSPARK_DRAFT, TARGET, Row, Timer, load_prompts, machine, save, table
 from dspark_ray import LLM, SamplingParams
-from dspark_ray.serve.timeline import StepTimeline, per_step_ms
+from dspark_ray.runtime.timeline import StepTimeline, per_step_ms
 
 
 class DraftClock:

@@ -315,10 +315,10 @@ def serve_replicas(app_name: str) -> list[ServeReplica]:
 
 def app_stats(run: ServeRun, attempts: int = 200) -> dict:
     """``run``'s application's running and waiting requests, and finished ones by reason, summed over its
-    replicas: each answers ``GET /stats`` for itself (dspark_ray.serve.timeline.every_replica)."""
+    replicas: each answers ``GET /stats`` for itself (dspark_ray.runtime.timeline.every_replica)."""
     import httpx
 
-    from dspark_ray.serve.timeline import every_replica
+    from dspark_ray.runtime.timeline import every_replica
 
     def fetch() -> dict:
         r = httpx.get(f"{run.base_url}/stats", timeout=30)  # a new connection each time

@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from conftest import NO_VLLM, REPO, vllm_installed
-from dspark_ray.serve.timeline import per_step_ms
+from dspark_ray.runtime.timeline import per_step_ms
 
 sys.path.insert(0, str(REPO / "bench"))
 import served as bench  # noqa: E402
@@ -567,7 +567,7 @@ def test_client_command_and_how_it_is_shown(tmp_path):
 def test_the_replicas_timelines_are_read_from_each_and_summed():
     """Replicas sharing a port each answer GET /stats for themselves: every_replica asks until each has
     answered (a fetch reaching one already seen counts for nothing), summed adds their snapshots."""
-    from dspark_ray.serve.timeline import every_replica, summed
+    from dspark_ray.runtime.timeline import every_replica, summed
 
     answers = iter([{"replica": "a", "n": 1}, {"replica": "a", "n": 2}, {"replica": "b", "n": 3},
                     {"replica": "c", "n": 4}])

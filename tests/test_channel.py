@@ -1,4 +1,4 @@
-"""The per-step channel between a replica and its workers (dspark_ray.serve.channel).
+"""The per-step channel between a replica and its workers (dspark_ray.runtime.channel).
 
 Real sockets and real processes: a worker that raises, hangs, dies, or is
 reached with the wrong key.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dspark_ray.serve.channel import (
+from dspark_ray.runtime.channel import (
     Channel,
     ChannelClosed,
     ChannelServer,
@@ -133,7 +133,7 @@ def test_a_killed_worker_fails_the_gather_at_once_while_another_hangs():
 def test_the_torch_thread_serves_its_channels_and_jobs_on_one_thread(spin_s):
     """A worker's TorchThread reads its channels' calls itself (no hand-off) and runs Ray's method calls
     in between, all on the one thread; a closed channel is dropped and the rest keep serving."""
-    from dspark_ray.serve.workers import TorchThread
+    from dspark_ray.runtime.workers import TorchThread
 
     class Where(Handler):
         def thread(self) -> int:
@@ -163,7 +163,7 @@ def test_the_torch_thread_serves_its_channels_and_jobs_on_one_thread(spin_s):
 
 _TENSOR_WORKER = """
 import sys, time, torch
-from dspark_ray.serve.channel import ChannelServer
+from dspark_ray.runtime.channel import ChannelServer
 
 class Tensors:
     def probs(self, rows):

@@ -1,4 +1,4 @@
-"""The DSpark context link (dspark_ray/serve/context_push.py) over real sockets, without Ray: what
+"""The DSpark context link (dspark_ray/runtime/context_push.py) over real sockets, without Ray: what
 target rank 0 sends reaches the proposal that names it, waited for when it is still on the way;
 what is not coming is not waited for; a slot's states never reach another request's proposal.
 
@@ -16,8 +16,8 @@ from multiprocessing.connection import Client, Listener
 import torch
 
 from dspark_ray.engine.interfaces import ContextStates, ProposeRow, SamplingRow, VerifyRow
-from dspark_ray.serve.channel import new_key, send_timeout
-from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink
+from dspark_ray.runtime.channel import new_key, send_timeout
+from dspark_ray.runtime.context_push import ContextInbox, ContextLink, LocalLink
 
 GREEDY = SamplingRow(temperature=0.0, top_p=1.0, top_k=0, seed=0)
 WIDTH = 6  # n_taps * hidden of these made-up states

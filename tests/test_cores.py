@@ -1,4 +1,4 @@
-"""Cores of their own for worker processes (dspark_ray/serve/cores.py, AppConfig.bind_cores): claims held
+"""Cores of their own for worker processes (dspark_ray/runtime/cores.py, AppConfig.bind_cores): claims held
 by real processes through real file locks, the binding read back from the kernel."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from dspark_ray.serve.cores import bind_current_thread, claim_and_bind, claim_cores
+from dspark_ray.runtime.cores import bind_current_thread, claim_and_bind, claim_cores
 
 CPUS = sorted(os.sched_getaffinity(0))
 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from dspark_ray.serve.cores import claim_cores
+from dspark_ray.runtime.cores import claim_cores
 claim = claim_cores(int(sys.argv[1]), Path(sys.argv[2]))
 print(",".join(map(str, claim.cores)), flush=True)
 time.sleep(600)
@@ -116,8 +116,8 @@ def test_a_draft_worker_with_bind_cores_binds_its_torch_thread(tmp_path, monkeyp
                                                                 shipped_draft):
     """The real worker class (in this process): its torch thread is bound to the CPU it claimed."""
     from dspark_ray.engine.config import EngineConfig
-    from dspark_ray.serve import cores
-    from dspark_ray.serve.workers import DraftWorker
+    from dspark_ray.runtime import cores
+    from dspark_ray.runtime.workers import DraftWorker
 
     monkeypatch.setattr(cores, "claims_dir", lambda: tmp_path)
     config = EngineConfig(model=str(shipped_target), draft=str(shipped_draft), capacity=4, max_context=128)
@@ -134,7 +134,7 @@ def test_a_draft_worker_with_bind_cores_binds_its_torch_thread(tmp_path, monkeyp
 def test_an_application_can_claim_in_a_directory_of_its_own(tmp_path, monkeypatch):
     """DSPARK_CORES_DIR (a worker's env, set through worker_env_vars) puts an application's claims apart: two
     applications measured one at a time (bench/served_ab.py) each bind all the cores."""
-    from dspark_ray.serve import cores
+    from dspark_ray.runtime import cores
 
     proc, theirs = holder(len(CPUS), tmp_path / "a")  # application A holds every CPU in its directory
     try:
@@ -153,7 +153,7 @@ def test_an_application_can_claim_in_a_directory_of_its_own(tmp_path, monkeypatc
 
 BIND_PROCESS = r"""
 import os, threading, time, json
-from dspark_ray.serve.cores import bind_process
+from dspark_ray.runtime.cores import bind_process
 stop = threading.Event()
 threads = [threading.Thread(target=stop.wait) for _ in range(3)]
 for t in threads:

@@ -24,7 +24,7 @@ import ray
 
 from dspark_ray.engine import Engine, EngineConfig, SamplingParams
 from dspark_ray.engine.local import build_local_engine
-from dspark_ray.serve.actors import start_replica_services
+from dspark_ray.runtime.actors import start_replica_services
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.tokenizer import Tokenizer
 from serve_fixtures import OBJECT_STORE_BYTES, serve_models  # noqa: F401 - fixture

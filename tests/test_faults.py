@@ -26,7 +26,8 @@ import ray
 
 from dspark_ray.engine import Engine, EngineConfig, SamplingParams
 from dspark_ray.engine.local import build_local_engine
-from dspark_ray.serve.actors import ReplicaServices, WorkerTimeout
+from dspark_ray.runtime.actors import ReplicaServices
+from dspark_ray.runtime.errors import WorkerTimeout
 from dspark_ray.tokenizer import Tokenizer
 from conftest import SHIPPED_DSPARK, shipped
 from serve_fixtures import OBJECT_STORE_BYTES, serve_models  # noqa: F401 - fixture
@@ -131,7 +132,7 @@ def test_draft_worker_dies_output_unchanged_and_speculation_resumes(replica, ref
 
 def test_dspark_draft_worker_dies_and_the_context_link_reopens(local_ray, serve_models, request, reference):
     """The DSpark block draft, whose context states target rank 0 sends to the draft worker itself
-    (serve/context_push.py): the worker killed mid-generation, output is unchanged; rank 0 relays
+    (runtime/context_push.py): the worker killed mid-generation, output is unchanged; rank 0 relays
     the states through the replica meanwhile, reopens its link to the restarted worker, and then
     sends them directly again, and the new worker's drafts are accepted."""
     if not serve_models.shipped:
@@ -266,7 +267,7 @@ def test_slot_manager_restart_keeps_leases_and_admissions_wait(replica, referenc
 
 
 def test_a_redeploy_with_new_capacity_replaces_an_idle_slot_manager_only(local_ray):
-    from dspark_ray.serve.actors import SlotCapacityMismatch, _slot_manager_with_capacity
+    from dspark_ray.runtime.actors import SlotCapacityMismatch, _slot_manager_with_capacity
     from dspark_ray.slots import start_slot_manager
 
     old = start_slot_manager(4, "cap", detached=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from dspark_ray.engine.engine import EngineCounters, StepTimings
 from dspark_ray.engine.outputs import RequestOutput, SpecSummary
 from dspark_ray.engine.request import SpecStats
-from dspark_ray.serve.metrics import ServingMetrics, StepObserver
+from dspark_ray.runtime.metrics import ServingMetrics, StepObserver
 
 
 @dataclass

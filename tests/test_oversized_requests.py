@@ -1,7 +1,7 @@
 """Issue 47: an oversized request gets its 413 from every client, every time, and holds nothing.
 
 A response that starts before its request body has been read to the end
-ends with a lingering close (``dspark_ray.serve.http.lingering``): the rest of
+ends with a lingering close (``dspark_ray.openai.http.lingering``): the rest of
 the body is read and dropped, up to ``LINGER_BYTES`` and ``LINGER_S``, and
 only then is the connection closed. Without it uvicorn closed a
 ``Connection: close`` connection (every urllib request) while the client was
@@ -38,7 +38,7 @@ import requests
 import uvicorn
 from fastapi.responses import JSONResponse
 
-from dspark_ray.serve.http import LINGER_BYTES, LINGER_S, lingering
+from dspark_ray.openai.http import LINGER_BYTES, LINGER_S, lingering
 from serve_fixtures import app_stats, serve_models, served, slot_snapshot  # noqa: F401 - fixtures
 
 LIMIT = 1_000_000  # AppConfig.max_request_bytes, which the shipped YAML leaves at its default

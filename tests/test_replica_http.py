@@ -1,4 +1,4 @@
-"""The replica's own HTTP server (dspark_ray/serve/http.py) over real sockets, with real clients.
+"""The replica's own HTTP server (dspark_ray/openai/http.py) over real sockets, with real clients.
 
 ``DSparkServer`` with ``http_port`` serves its routes from a uvicorn server
 on a thread of its own. Here its engine services are in process
@@ -34,9 +34,9 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from dspark_ray.engine.local import LocalServices
 from dspark_ray.serve.autoscaling import ONGOING_METRIC, POLICY_PATH, ongoing_requests_policy, with_policy
-from dspark_ray.serve.balance import LoadBoard
+from dspark_ray.openai.balance import LoadBoard
 from dspark_ray.serve.config import AppConfig
-from dspark_ray.serve.http import APP_HEADER, HTTPAddressInUse, ReplicaHTTP, serving_app
+from dspark_ray.openai.http import APP_HEADER, HTTPAddressInUse, ReplicaHTTP, serving_app
 from dspark_ray.serve.server import DSparkServer
 from serve_fixtures import serve_models  # noqa: F401 - fixture
 
@@ -240,7 +240,7 @@ def test_the_replica_reports_what_its_engine_holds(server):
     assert server.record_autoscaling_stats() == {ONGOING_METRIC: 0.0}
 
 
-# -- balancing the replicas that share a port (dspark_ray/serve/balance.py) ---------------------------------------
+# -- balancing the replicas that share a port (dspark_ray/openai/balance.py) ---------------------------------------
 
 
 def held_app(release: threading.Event) -> FastAPI:
@@ -299,7 +299,7 @@ def test_a_crowded_replica_asks_its_clients_to_reconnect_and_a_balanced_one_does
 
 def test_a_dead_replica_drops_off_the_board():
     board = LoadBoard(1, directory=Path(tempfile.mkdtemp()), refresh_s=0)
-    code = ("import sys, time; from pathlib import Path; from dspark_ray.serve.balance import LoadBoard\n"
+    code = ("import sys, time; from pathlib import Path; from dspark_ray.openai.balance import LoadBoard\n"
             f"b = LoadBoard(1, directory=Path({str(board.dir.parent)!r}))\n"
             "[b.enter() for _ in range(5)]\nprint(b.name, flush=True)\ntime.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

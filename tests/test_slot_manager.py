@@ -213,7 +213,7 @@ def test_releases_not_waited_for_reach_the_manager_before_the_next_call(cluster,
     (``release_many_nowait``). Ray runs one caller's calls in the order sent, so with every slot
     held an admission right after such a release gets the freed slot, every time; a release to a
     dead manager is logged, not raised (the heartbeat reclaims the slot)."""
-    from dspark_ray.serve.actors import RaySlots
+    from dspark_ray.runtime.actors import RaySlots
     from dspark_ray.slots import ReplicaSlots
 
     manager = start_slot_manager(2, app_name="nowait")
@@ -240,7 +240,7 @@ def test_releases_not_waited_for_reach_the_manager_before_the_next_call(cluster,
             break
         assert time.monotonic() < deadline, "the killed slot manager still answers after 60 s"
         time.sleep(0.05)
-    with caplog.at_level("WARNING", logger="dspark_ray.serve.actors"):
+    with caplog.at_level("WARNING", logger="dspark_ray.runtime.actors"):
         slots.release_many_nowait([("keep", held["keep"].epoch)])
         deadline = time.monotonic() + 30
         while "slot release failed" not in caplog.text and time.monotonic() < deadline:
@@ -257,8 +257,8 @@ def test_a_step_longer_than_the_owner_timeout_keeps_its_leases(cluster, serve_mo
 
     from dspark_ray.engine import Engine, EngineConfig, SamplingParams
     from dspark_ray.engine.local import make_target_runner
-    from dspark_ray.serve.actors import RaySlots
-    from dspark_ray.serve.engine_loop import EngineLoop
+    from dspark_ray.runtime.actors import RaySlots
+    from dspark_ray.runtime.engine_loop import EngineLoop
     from dspark_ray.slots import ReplicaSlots
     from dspark_ray.tokenizer import Tokenizer
 

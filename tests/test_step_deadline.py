@@ -1,10 +1,10 @@
-"""StepDeadline (dspark_ray/serve/deadline.py): the per-step deadline follows the steps answered lately."""
+"""StepDeadline (dspark_ray/runtime/deadline.py): the per-step deadline follows the steps answered lately."""
 
 from __future__ import annotations
 
 import pytest
 
-from dspark_ray.serve.deadline import StepDeadline
+from dspark_ray.runtime.deadline import StepDeadline
 
 
 def test_the_ceiling_holds_until_enough_steps_were_seen():

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_ray.serve.reasoning import REASONING_PARSERS, ReasoningParser, make_reasoning_parser
-from dspark_ray.serve.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser, make_tool_parser
+from dspark_ray.openai.reasoning import REASONING_PARSERS, ReasoningParser, make_reasoning_parser
+from dspark_ray.openai.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser, make_tool_parser
 
 WEATHER = {"location": "San Francisco, CA", "unit": "fahrenheit"}
 NESTED = {

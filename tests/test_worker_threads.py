@@ -14,7 +14,7 @@ import torch
 from dspark_ray.engine import EngineConfig, SamplingParams
 from dspark_ray.engine.interfaces import ProposeRow, SamplingRow
 from dspark_ray.engine.local import build_local_engine
-from dspark_ray.serve.workers import DraftWorker
+from dspark_ray.runtime.workers import DraftWorker
 
 PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\nO Romeo", "KING:\nNow is the", "First Citizen:\nBefore we"]
 

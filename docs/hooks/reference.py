@@ -15,7 +15,7 @@ and ``on_page_markdown`` replaces it. The generators:
 - ``cli``: the ``dspark`` command's ``--help`` for the command and each subcommand, the subcommands
   found from the help itself (``dspark_ray.cli.main([..., "--help"])``, its output captured).
 - ``request-fields``: the request fields of the OpenAI routes and the handle API
-  (dspark_ray/serve/protocol.py, pydantic).
+  (dspark_ray/openai/protocol.py and dspark_ray/serve/protocol.py, pydantic).
 
 The texts are made once per build by this file run as a script (``on_pre_build``): a fresh process
 sees the code as it is now, also on each rebuild of ``mkdocs serve``.
@@ -52,7 +52,7 @@ MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
 RUNBOOKS_URI = "operations/runbooks"
 # Source files the generated text comes from: `mkdocs serve` rebuilds when one changes.
 SOURCES = ("dspark_ray/serve/config.py", "dspark_ray/engine/config.py", "dspark_ray/cli.py",
-           "dspark_ray/serve/protocol.py", "runbooks")
+           "dspark_ray/openai/protocol.py", "dspark_ray/serve/protocol.py", "runbooks")
 HELP_COLUMNS = "100"  # argparse wraps --help to $COLUMNS: a fixed width keeps the pages stable
 # `dspark bench --served` is a mode of `bench` (bench/served.py) with options of its own.
 CLI_MODES = (("bench", "--served"),)
@@ -302,7 +302,8 @@ def _redefined(model, base, name: str) -> bool:
 
 
 def request_fields() -> str:
-    from dspark_ray.serve import protocol as p
+    from dspark_ray.openai import protocol as p
+    from dspark_ray.serve.protocol import GenerateRequest
 
     shared = list(p.SamplingFields.model_fields)
     openai = [n for n in p._OpenAIRequest.model_fields if n not in shared]
@@ -313,8 +314,8 @@ def request_fields() -> str:
          [n for n in p.CompletionRequest.model_fields if n not in shared + openai]),
         ("`POST /v1/chat/completions`", p.ChatCompletionRequest,
          [n for n in p.ChatCompletionRequest.model_fields if n not in shared + openai]),
-        ("Handle API: `GenerateRequest`", p.GenerateRequest,
-         [n for n in p.GenerateRequest.model_fields if n not in shared or _redefined(p.GenerateRequest, p.SamplingFields, n)]),
+        ("Handle API: `GenerateRequest`", GenerateRequest,
+         [n for n in GenerateRequest.model_fields if n not in shared or _redefined(GenerateRequest, p.SamplingFields, n)]),
     ]
     return "\n".join(f"### {title}\n\n{_fields_table(model, names)}" for title, model, names in sections)
 

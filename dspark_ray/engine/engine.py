@@ -40,7 +40,7 @@ row committed (``VerifyResult.context``), the request keeps them
 (``ProposeRow.context``), which lets go of them only once that proposal came
 back. They are kept by request, never by batch row; a preempted request's
 recompute sends them again from position 0, replacing what was kept. Served,
-target rank 0 sends them to the draft worker itself (serve/context_push.py):
+target rank 0 sends them to the draft worker itself (runtime/context_push.py):
 the result then carries only which message held them
 (``VerifyResult.context_push``), and the row's next proposal names it.
 

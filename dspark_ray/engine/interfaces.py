@@ -134,7 +134,7 @@ class ProposeRow:
     # requests about, the machine's time is theirs.
     alone: bool = False
     # Served with a DSpark draft, target rank 0 sends the context states to the draft worker
-    # itself (serve/context_push.py): the (link, seq) of the last message that held this row's, which
+    # itself (runtime/context_push.py): the (link, seq) of the last message that held this row's, which
     # the worker reads before drafting. None: nothing was sent that way.
     context_push: tuple[str, int] | None = None
 
@@ -212,7 +212,7 @@ class VerifyResult:
     # A target with taps (a DSpark draft): per row, its tap states at the positions it committed
     # and computed this step (fed tokens and accepted drafts; not positions its prefix cache served).
     context: list[ContextStates | None] | None = None
-    # Those states went to the draft worker directly instead (serve/context_push.py): the (link,
+    # Those states went to the draft worker directly instead (runtime/context_push.py): the (link,
     # seq) of the message that held them, for the rows' next proposals (ProposeRow.context_push).
     context_push: tuple[str, int] | None = None
     # A step that drafted its rows in the target (TargetStep.propose): per ProposeRow, the drafts

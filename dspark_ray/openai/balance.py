@@ -1,7 +1,7 @@
 """Connection balancing between the replicas that share one HTTP port on a machine.
 
 NOTE: why. The replicas of a node share their listening port (SO_REUSEPORT,
-``dspark_ray/serve/http.py``) and the kernel deals each new connection to one
+``dspark_ray/openai/http.py``) and the kernel deals each new connection to one
 of them by a hash of its addresses. Clients keep their connections alive
 (vLLM's benchmark client, the openai client, httpx and aiohttp pools), so a
 replica keeps every later request of each connection it was dealt. With 8

@@ -14,12 +14,14 @@ error is returned, so a refused request leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dspark_ray.engine import RequestOutput, SamplingParams
+from dspark_ray.engine import InvalidRequest, RequestOutput, SamplingParams
 from dspark_ray.engine.outputs import TokenLogprob
-from dspark_ray.serve.engine_loop import EngineLoop
+from dspark_ray.openai.protocol import PromptTokensDetails, Usage
+from dspark_ray.runtime.engine_loop import EngineLoop
 
 
 @dataclass
@@ -56,6 +58,42 @@ def fan_out(prompts: list[list[int]], params: SamplingParams, req_id: str) -> li
     total = len(prompts) * len(samples)
     return [Choice(p * len(samples) + i, p, ids, sample, req_id if total == 1 else f"{req_id}-{p * len(samples) + i}")
             for p, ids in enumerate(prompts) for i, sample in enumerate(samples)]
+
+
+def check_fan_out(field: str, runs: int, most: int) -> int:
+    """Choices per prompt run at once, on one replica: at most ``most``, its slots (each holds one)."""
+    if runs > most:
+        raise InvalidRequest(field, f"at most {most} (the slots one replica holds), got {runs}")
+    return runs
+
+
+def request_deadline(timeout_s: float | None, limit_s: float | None) -> float | None:
+    """When a request's choices end if unfinished: its own ``timeout_s`` or the server's ``limit_s``,
+    the shorter, from now (None: neither is set)."""
+    limits = [t for t in (timeout_s, limit_s) if t is not None]
+    return time.monotonic() + min(limits) if limits else None
+
+
+def best_of(choices: list[Choice], keep: int) -> list[Choice]:
+    """Per prompt, the ``keep`` choices of highest cumulative log-probability (best_of), renumbered."""
+    if len({c.prompt for c in choices}) * keep == len(choices):
+        return choices
+    shown = []
+    for p in sorted({c.prompt for c in choices}):
+        ranked = sorted((c for c in choices if c.prompt == p), key=lambda c: -c.cumulative_logprob)[:keep]
+        for i, c in enumerate(sorted(ranked, key=lambda c: c.index)):
+            c.index = p * keep + i
+            shown.append(c)
+    return shown
+
+
+def total_usage(choices: list[Choice]) -> Usage:
+    """Each prompt counted once, every generated token counted."""
+    prompt = sum({c.prompt: c.last.num_prompt_tokens for c in choices}.values())
+    cached = sum({c.prompt: c.last.num_cached_tokens for c in choices}.values())
+    completion = sum(c.last.num_output_tokens for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached, prompt)))
 
 
 class ChoiceStreams:

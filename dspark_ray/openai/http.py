@@ -41,13 +41,13 @@ import time
 
 import uvicorn
 
-from dspark_ray.serve.balance import CLOSE, LoadBoard, balanced
-from dspark_ray.serve.metrics import HTTPMetrics
+from dspark_ray.openai.balance import CLOSE, LoadBoard, balanced
+from dspark_ray.openai.metrics import HTTPMetrics
 
 log = logging.getLogger(__name__)
 
 
-# The routes whose requests count toward a replica's load (dspark_ray/serve/balance.py).
+# The routes whose requests count toward a replica's load (dspark_ray/openai/balance.py).
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # A lingering close reads and discards at most this much of a refused request's body, for at

@@ -1,4 +1,4 @@
-"""Request and response types: the OpenAI HTTP schema and the Ray-handle API.
+"""Request and response types of the OpenAI HTTP schema, and the sampling fields every request shares.
 
 Fields mean what they mean to OpenAI and to vLLM's OpenAI server, vLLM's
 sampling extensions included (``top_k``, ``min_p``, ``min_tokens``,
@@ -12,7 +12,8 @@ accepted only at its neutral value (``suffix``,
 Structured outputs: OpenAI's ``response_format`` (``json_object`` and
 ``json_schema``) and vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar`` and ``structured_outputs``, at most one
-per request, for chat, completions and the handle API alike. Tool calling
+per request, for chat, completions and the handle API (``dspark_ray.serve.protocol``,
+whose ``GenerateRequest`` takes the same ``SamplingFields``) alike. Tool calling
 (chat): ``tools``, ``tool_choice`` (``none``, ``auto``, ``required`` or a
 named function), ``tool`` and ``developer`` messages, assistant messages with
 ``tool_calls``. dspark extensions:
@@ -31,7 +32,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dspark_ray.engine import InvalidRequest, SamplingParams
-from dspark_ray.engine.outputs import SpecSummary, TokenLogprob
+from dspark_ray.engine.outputs import RequestOutput, SpecSummary, TokenLogprob
 from dspark_ray.engine.sampling_params import MAX_LOGPROBS
 from dspark_ray.engine.structured import StructuredOutput
 
@@ -481,6 +482,14 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
 
+    @classmethod
+    def of(cls, out: RequestOutput) -> Usage:
+        """One engine request's usage so far (its cached prompt tokens at most its prompt)."""
+        return cls(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                   total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                   prompt_tokens_details=PromptTokensDetails(
+                       cached_tokens=min(out.num_cached_tokens, out.num_prompt_tokens)))
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -490,64 +499,9 @@ def now() -> int:
     return int(time.time())
 
 
-# -- Ray handle API -------------------------------------------------------------
-
-
-class GenerateRequest(SamplingFields):
-    """What another Ray app sends through ``handle.generate`` / ``handle.options(stream=True).generate``."""
-
-    prompt: str | None = Field(None, description="Text; or give prompt_token_ids.")
-    prompt_token_ids: list[int] | None = None
-    request_id: str | None = None
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 (default here) is greedy.")
-    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate (default 16); 0 with "
-                                                           "prompt_logprobs scores the prompt.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Per output token: its "
-                                                                          "log-probability and this many top ones.")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt.")
-    n: int = Field(1, ge=1, description="Independent samples (generate streams them, each chunk with its index); "
-                                        "sample i of a seeded request uses seed + i.")
-
-    def params(self) -> SamplingParams:
-        return self.sampling_params(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, n=self.n)
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
-        return self
-
-
-class Logprob(BaseModel):
-    """One position's log-probabilities under the target model."""
-
-    token_id: int
-    logprob: float
-    rank: int = Field(description="1 = the most likely token.")
-    top: list[tuple[int, float]] = Field(default_factory=list, description="(token id, logprob), most likely first.")
-
-    @classmethod
-    def of(cls, lp: TokenLogprob | None) -> Logprob | None:
-        return None if lp is None else cls(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=list(lp.top))
-
-
-class GenerateChunk(BaseModel):
-    """One streamed piece of a generation; the last has ``finished`` set."""
-
-    request_id: str
-    index: int = Field(0, description="Which of the request's n samples this chunk belongs to.")
-    text: str
-    token_ids: list[int]
-    logprobs: list[Logprob] | None = Field(None, description="One per token id, when asked for.")
-    prompt_logprobs: list[Logprob | None] | None = Field(None, description="On the first chunk, when asked for; "
-                                                                           "the first prompt token has none.")
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
-    error_code: str | None = Field(None, description="When finish_reason is error: structured_output_failed, "
-                                   "request_timeout, target_failed, slot_lost or engine_error.")
-    usage: Usage | None = None
-    speculation: Speculation | None = None
+# SamplingFields names types defined after it: complete it now, so that the request types built on it in
+# other modules (the handle API's GenerateRequest, dspark_ray/serve/protocol.py) need not see them.
+SamplingFields.model_rebuild()
 
 
 # -- log-probabilities in OpenAI's shapes --------------------------------------------

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dspark_ray.engine import RequestOutput
-from dspark_ray.serve.choices import Choice
-from dspark_ray.serve.protocol import chat_logprobs, completion_logprobs
-from dspark_ray.serve.reasoning import ReasoningParser
-from dspark_ray.serve.tool_parsers import ToolCall, ToolCallDelta, ToolParser
+from dspark_ray.openai.choices import Choice
+from dspark_ray.openai.protocol import chat_logprobs, completion_logprobs
+from dspark_ray.openai.reasoning import ReasoningParser
+from dspark_ray.openai.tool_parsers import ToolCall, ToolCallDelta, ToolParser
 
 
 class CompletionView:

@@ -8,7 +8,7 @@ check that they are up to date, that each is a valid dashboard, and that every
 metric they query exists in a real Prometheus scrape of a running server.
 
 Queries use the names Prometheus sees: Ray adds the ``ray_`` prefix and
-``_total`` to counters (``dspark_ray.serve.metrics`` and ``dspark_ray.slots``
+``_total`` to counters (``dspark_ray.runtime.metrics`` and ``dspark_ray.slots``
 define them). Time shares divide the exact ``*_time_seconds_total`` counters;
 percentiles come from the histograms' buckets.
 """
@@ -121,7 +121,7 @@ SERVING = Dashboard(
                   width=8),
             Panel("HTTP latency at the replicas' own servers (http_port)",
                   percentiles("ray_dspark_http_request_latency_seconds"), unit="s", width=12,
-                  description="Arrival to the last byte, streams included (dspark_ray/serve/http.py)."),
+                  description="Arrival to the last byte, streams included (dspark_ray/openai/http.py)."),
             Panel("HTTP latency at the Serve proxy (http_port: null)",
                   percentiles("ray_serve_http_request_latency_ms", labels="", scale=" / 1000"), unit="s", width=12),
         )),

@@ -85,7 +85,7 @@ class ProbeRank:
         self.rank, self.world_size, self.device = rank, world_size, device
 
     def address(self) -> tuple[str, int]:
-        from dspark_ray.serve.group import rendezvous_address
+        from dspark_ray.runtime.group import rendezvous_address
 
         return rendezvous_address()
 
@@ -93,7 +93,7 @@ class ProbeRank:
         """Join the process group; returns this rank's node IP."""
         import ray
 
-        from dspark_ray.serve.group import join_group
+        from dspark_ray.runtime.group import join_group
 
         join_group(self.device, master_addr, master_port, self.rank, self.world_size)
         return ray.util.get_node_ip_address()

@@ -11,7 +11,8 @@ The facades (``RayTarget``, ``RayDraft``, ``RaySlots``) give the engine the
 same ``TargetService``/``DraftService``/``SlotService`` methods it uses in
 process, so the engine does not know it is distributed. The workers
 themselves are in ``workers.py``; per step, the facades talk to them through
-``channel.py`` (one persistent connection each), not through Ray calls.
+``channel.py`` (one persistent connection each), not through Ray calls. What
+fails, and how the engine and the front are told, is ``errors.py``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ from dspark_ray.engine.dspark_proposer import context_window
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.engine.local import check_draft, uses_dspark
 from dspark_ray.model.dspark import DSparkConfig
-from dspark_ray.serve.channel import Channel, ChannelError, ChannelTimeout, encode, gather, new_key
-from dspark_ray.serve.deadline import StepDeadline
-from dspark_ray.serve.timeline import StepTimeline
-from dspark_ray.serve.workers import DraftWorker, TargetShard
+from dspark_ray.runtime.channel import Channel, ChannelError, ChannelTimeout, encode, gather, new_key
+from dspark_ray.runtime.deadline import StepDeadline
+from dspark_ray.runtime.errors import (
+    DraftUnavailable,
+    SlotServiceUnavailable,
+    TensorParallelDivergence,
+    WorkerTimeout,
+)
+from dspark_ray.runtime.timeline import StepTimeline
+from dspark_ray.runtime.workers import DraftWorker, TargetShard
 from dspark_ray.slots import (
     ReplicaSlots,
     SlotLease,
@@ -44,28 +51,6 @@ from dspark_ray.slots import (
 from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class TensorParallelDivergence(RuntimeError):
-    """Two tensor-parallel ranks verified differently: their KV is no longer consistent."""
-
-
-class SlotServiceUnavailable(RuntimeError):
-    """The slot manager did not answer within the admission timeout."""
-
-
-class DraftUnavailable(RuntimeError):
-    """The draft worker is down or restarting; the engine runs this step without speculation."""
-
-
-class WorkerTimeout(ChannelTimeout):
-    """A worker did not answer a step within its deadline (``StepDeadline``): hung, wedged in a
-    collective, or unreachable. Handled as a crash of that worker."""
-
-    def __init__(self, worker: str, limit_s: float) -> None:
-        super().__init__(f"the {worker} did not answer a step within {limit_s:.1f} s (hung, wedged in a "
-                         "collective, or unreachable)")
-        self.worker, self.limit_s = worker, limit_s
 
 
 class WorkerTimeouts:
@@ -137,7 +122,7 @@ class RayTarget:
         self.timeouts = timeouts or WorkerTimeouts()
         self._last_reply = 0.0  # when the last step's replies were read (a step sent before it waited its turn)
         # Positions of DSpark context states that came back through this replica (rank 0 had no link
-        # to the draft up, or was told to relay: serve/context_push.py).
+        # to the draft up, or was told to relay: runtime/context_push.py).
         self.context_relayed = 0
 
     def kv_capacity(self) -> int:
@@ -436,7 +421,7 @@ class ReplicaServices:
         # The draft in target rank 0's process: that rank serves its proposals on a channel of its own.
         self.draft_in_target = speculates and draft_placement == "target"
         # A DSpark draft's context window; its states go from rank 0 to the draft directly
-        # (serve/context_push.py) unless context_path is "replica".
+        # (runtime/context_push.py) unless context_path is "replica".
         self.context_window = None
         if speculates and uses_dspark(config):
             self.context_window = context_window(DSparkConfig.from_path(config.draft), config.max_context)

@@ -55,7 +55,7 @@ from multiprocessing.connection import Client, Connection
 import ray
 
 from dspark_ray.engine.interfaces import ContextStates, ProposeRow, VerifyRow
-from dspark_ray.serve.channel import ChannelServer, new_key, no_delay, send_timeout
+from dspark_ray.runtime.channel import ChannelServer, new_key, no_delay, send_timeout
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from dspark_ray.engine import Engine, RequestOutput, SamplingParams
 from dspark_ray.engine.engine import ENGINE_FAILED, TARGET_FAILED
 from dspark_ray.engine.request import ErrorCode
 from dspark_ray.engine.interfaces import TargetService
-from dspark_ray.serve.metrics import ServingMetrics
-from dspark_ray.serve.timeline import StepTimeline
+from dspark_ray.runtime.metrics import ServingMetrics
+from dspark_ray.runtime.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 

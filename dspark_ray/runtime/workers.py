@@ -3,7 +3,7 @@
 Each is a plain class that Ray runs as a named actor in the replica's
 placement group. Set-up goes through Ray method calls; the per-step path
 (``step``, ``release``, ``propose``) goes through a ``Channel`` that the
-replica opens with ``open_channel`` (``dspark_ray.serve.channel`` says why).
+replica opens with ``open_channel`` (``dspark_ray.runtime.channel`` says why).
 
 All of a worker's torch work, from loading the model to every step, runs on
 one thread of its own (``TorchThread``): Ray's method calls are handed to it,
@@ -33,11 +33,11 @@ import torch
 from dspark_ray.engine.config import EngineConfig
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.model.parallel import CollectiveTimer
-from dspark_ray.serve.channel import ChannelServer, serve_call
-from dspark_ray.serve.cores import CoreClaim, claim_and_bind
-from dspark_ray.serve.context_push import ContextInbox, ContextLink, LocalLink
-from dspark_ray.serve.group import join_group, rendezvous_address
-from dspark_ray.serve.metrics import ShardMetrics
+from dspark_ray.runtime.channel import ChannelServer, serve_call
+from dspark_ray.runtime.cores import CoreClaim, claim_and_bind
+from dspark_ray.runtime.context_push import ContextInbox, ContextLink, LocalLink
+from dspark_ray.runtime.group import join_group, rendezvous_address
+from dspark_ray.runtime.metrics import ShardMetrics
 from dspark_ray.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class _ChannelWorker:
         self.torch = TorchThread(torch_threads, spin_s=spin_s)
         self.torch_threads, self.single_thread_max_rows = torch_threads, single_thread_max_rows
         self._threads = torch_threads  # what the torch thread runs on now
-        # AppConfig.bind_cores: CPUs of this process's own, its torch thread bound to them (serve/cores.py)
+        # AppConfig.bind_cores: CPUs of this process's own, its torch thread bound to them (runtime/cores.py)
         # before any parallel region starts OpenMP's threads, which inherit the binding.
         self.cores = claim_and_bind(torch_threads, self.torch.call) if bind_cores else CoreClaim()
 
@@ -172,7 +172,7 @@ class TargetShard(_ChannelWorker):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.runner = None
         self.proposer = None  # rank 0 with draft_placement "target"
-        # Rank 0 with a DSpark draft: where its context states go (serve/context_push.py); None: back
+        # Rank 0 with a DSpark draft: where its context states go (runtime/context_push.py); None: back
         # in the step's reply, through the replica.
         self.context_link: ContextLink | LocalLink | None = None
         self.inbox: ContextInbox | None = None  # the proposer's, when this rank holds it
@@ -187,13 +187,13 @@ class TargetShard(_ChannelWorker):
               context_window: int | None = None) -> int:
         """Join the tensor-parallel group, load this rank's shard; returns KV pool capacity.
         ``with_draft`` (rank 0 only): also hold the draft proposer, served as ``propose`` on a channel
-        of its own (``draft_placement: target``, ``dspark_ray.serve.actors``); ``context_window``
+        of its own (``draft_placement: target``, ``dspark_ray.runtime.actors``); ``context_window``
         (a DSpark draft's, sent directly): its context states go straight to it."""
         return self.torch.call(self._setup, master_addr, master_port, with_draft, context_window)
 
     def send_context_to(self, draft_worker, context_window: int | None, timeout_s: float) -> bool:
         """Rank 0: send a DSpark draft's context states to ``draft_worker`` directly
-        (serve/context_push.py) rather than in the step's reply. True if the link is up now (else
+        (runtime/context_push.py) rather than in the step's reply. True if the link is up now (else
         it is opened by a later step, and meanwhile the states go back in the replies)."""
         if self.rank != 0:
             raise ValueError("only target rank 0 sends the context states")
@@ -248,7 +248,7 @@ class TargetShard(_ChannelWorker):
             result = dataclasses.replace(result, **drafted)
         if result.context is not None:
             # A DSpark draft's context states (the residual stream, the same on every rank): rank 0's
-            # go to the draft, directly where it can (serve/context_push.py), else in the reply.
+            # go to the draft, directly where it can (runtime/context_push.py), else in the reply.
             pushed = None if self.rank > 0 or self.context_link is None else \
                 self.context_link.send(batch.rows, result.context)
             if self.rank > 0 or pushed is not None:
@@ -300,7 +300,7 @@ class DraftWorker(_ChannelWorker):
         self.proposer = self.torch.call(make_draft_proposer, config, Tokenizer.from_path(config.model).vocab_size)
         if config.draft_ahead and hasattr(self.proposer, "draft_ahead"):  # an independent draft
             self.torch.idle = self.proposer.draft_ahead
-        # A DSpark draft: the context states target rank 0 sends here directly (serve/context_push.py).
+        # A DSpark draft: the context states target rank 0 sends here directly (runtime/context_push.py).
         window = getattr(self.proposer, "context_window", None)
         self.inbox = ContextInbox(window) if window is not None else None
 

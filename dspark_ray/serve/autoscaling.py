@@ -1,4 +1,4 @@
-"""Autoscaling when the replicas serve HTTP themselves (``http_port``, dspark_ray/serve/http.py).
+"""Autoscaling when the replicas serve HTTP themselves (``http_port``, dspark_ray/openai/http.py).
 
 Serve's autoscaler counts the requests that its proxy and handles carry. A
 request that reaches a replica's own HTTP server is not among them, so with

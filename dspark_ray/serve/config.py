@@ -150,7 +150,7 @@ class AppConfig(BaseModel):
     )
     bind_cores: bool = Field(
         False, description="Each worker process (target shard, draft worker) claims torch_threads CPUs of its "
-        "own on its machine and binds its torch thread to them (dspark_ray/serve/cores.py): several replicas or "
+        "own on its machine and binds its torch thread to them (dspark_ray/runtime/cores.py): several replicas or "
         "shards on one CPU box never share a core, and a preempted worker waits only for its own. A worker that "
         "finds no CPU free stays unbound. Refused beside OpenMP binding variables (OMP_PROC_BIND, OMP_PLACES, ...) "
         "in worker_env_vars.",
@@ -158,7 +158,7 @@ class AppConfig(BaseModel):
     bind_replica: bool = Field(
         False, description="With bind_cores (without it, nothing to follow): the replica's own process (HTTP, the engine loop) runs on the CPUs "
         "its target rank 0 claimed, so the work it does between two steps, while its worker waits for the next "
-        "one, takes its own worker's core rather than another replica's (dspark_ray/serve/cores.py).",
+        "one, takes its own worker's core rather than another replica's (dspark_ray/runtime/cores.py).",
     )
     step_timeout_factor: float = Field(
         10.0, ge=1, description="A worker that has not answered a step within this many times the slowest of "
@@ -217,7 +217,7 @@ class AppConfig(BaseModel):
     )
     context_path: Literal["direct", "replica"] = Field(
         "direct", description="With a DSpark draft: how the target's context states reach it. direct: target "
-        "rank 0 sends them to the draft worker itself, one message a step (serve/context_push.py); replica: in "
+        "rank 0 sends them to the draft worker itself, one message a step (runtime/context_push.py); replica: in "
         "the step's reply and the next proposal, through this replica's engine (twice the bytes, on its "
         "thread). Output is the same either way.",
     )
@@ -247,7 +247,7 @@ class AppConfig(BaseModel):
         True, description="With http_port: the replicas sharing the port on a machine even out their open "
         "generation requests. A replica holding more than one more than its least loaded peer answers with "
         "Connection: close, so the client's next request opens a new connection, which the kernel deals "
-        "afresh (dspark_ray/serve/balance.py). Kept-alive connections otherwise stay on the replica they "
+        "afresh (dspark_ray/openai/balance.py). Kept-alive connections otherwise stay on the replica they "
         "were dealt for good. false: for a load balancer in front that spreads requests itself.",
     )
     http_host: str = Field(
@@ -284,7 +284,7 @@ class AppConfig(BaseModel):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_tool_parser(cls, value: str | None) -> str | None:
-        from dspark_ray.serve.tool_parsers import TOOL_PARSERS
+        from dspark_ray.openai.tool_parsers import TOOL_PARSERS
 
         if value is not None and value not in TOOL_PARSERS:
             raise ValueError(f"unknown tool_call_parser {value!r}; one of {', '.join(sorted(TOOL_PARSERS))} or null")
@@ -293,7 +293,7 @@ class AppConfig(BaseModel):
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, value: str | None) -> str | None:
-        from dspark_ray.serve.reasoning import REASONING_PARSERS
+        from dspark_ray.openai.reasoning import REASONING_PARSERS
 
         if value is not None and value not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning_parser {value!r}; one of {', '.join(sorted(REASONING_PARSERS))} "
