@@ -23,6 +23,7 @@ from dspark_ray import LLM, SamplingParams
 from dspark_ray.cli import main as cli_main
 from dspark_ray.drafter import STAGE_NAMES, build_config, run_recipe
 from dspark_ray.drafter import config as recipe_config
+from dspark_ray.drafter import states as states_module
 from dspark_ray.drafter import train as train_module
 from dspark_ray.drafter.prompts import BenchmarkFilter, build_prompts
 from dspark_ray.drafter.workdir import WorkDir
@@ -120,6 +121,36 @@ def test_an_interrupted_training_resumes_to_the_same_weights(recipe, tmp_path, m
     assert results["straight"].keys() == results["stopped"].keys()
     for key, value in results["straight"].items():
         assert torch.equal(value, results["stopped"][key]), key
+
+
+def test_worker_processes_give_the_same_answers_and_states(recipe, tmp_path, monkeypatch):
+    """Answers and states split over two worker processes (python -m dspark_ray.drafter) equal those
+    made in this process: each request's output does not depend on its batch (seeded sampling), and
+    a row's states do not depend on its shard (up to the rounding of a padded forward of another
+    length: the teacher batches rows of similar lengths)."""
+    config, _ = recipe
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(config.work / "prompts.jsonl", work / "prompts.jsonl")
+    c = config.replace(work=work, workers=2, gen_batch=4, followup_share=0.0)  # first turns: fewer start-ups
+    monkeypatch.setattr(states_module, "SHARD_TOKENS", 300)  # several shards: both workers get some
+    log = run_recipe(c, stages=["prompts", "answers", "states"], force=["answers"])
+    assert log["states"]["workers"] == 2 and log["states"]["shards"] >= 2
+
+    def first_turns(folder):
+        return sorted((r for r in WorkDir.read_jsonl(folder / "answers.jsonl") if r["turn"] == 1), key=lambda r: r["id"])
+
+    assert first_turns(work) == first_turns(config.work)
+    ours, theirs = states_module.States(work / "states"), states_module.States(config.work / "states")
+    by_tokens = {tuple(theirs.read(i, "tokens").tolist()): i for i in range(len(theirs.rows))}
+    same = total = 0
+    for i in range(len(ours.rows)):
+        j = by_tokens[tuple(ours.read(i, "tokens").tolist())]
+        torch.testing.assert_close(ours.read(i, "taps").float(), theirs.read(j, "taps").float(), rtol=2e-2, atol=5e-2)
+        answer = slice(ours.rows[i].prompt_len, ours.rows[i].length - 1)
+        same += int((ours.read(i, "topk_ids")[answer, 0] == theirs.read(j, "topk_ids")[answer, 0]).sum())
+        total += ours.rows[i].length - 1 - ours.rows[i].prompt_len
+    assert same >= 0.98 * total
 
 
 def test_a_reduced_vocabulary_through_the_recipe(recipe, tmp_path):

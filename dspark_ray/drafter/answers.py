@@ -18,6 +18,7 @@ from pathlib import Path
 from dspark_ray.drafter import topics
 from dspark_ray.drafter.config import RecipeConfig
 from dspark_ray.drafter.workdir import StageRecord, WorkDir, say
+from dspark_ray.drafter.workers import run_workers
 
 CHUNK = 8  # engine batches per chunk written to disk
 MIN_ROOM = 16  # a prompt leaving fewer positions than this in max_context is not answered
@@ -120,8 +121,6 @@ def answer_rows(config: RecipeConfig, work: WorkDir, rows: list[dict]) -> int:
         from dspark_ray import LLM
 
         return generate(LLM(config.target, None, **engine_args(config)), config, rows, work.answers)
-    from dspark_ray.drafter.workers import run_workers
-
     before = sum(len(r["answer_ids"]) for r in work.read_jsonl(work.answers))
     jobs = [{"config": config.to_json(), "rows": rows[i::workers], "out": str(work.root / f"answers.part{i}.jsonl"),
              "label": f"answers[{i}]"} for i in range(workers)]
@@ -156,3 +155,11 @@ def run(config: RecipeConfig, work: WorkDir) -> StageRecord:
                "tokens_per_second": round(made / seconds, 1) if made else None}
     say(f"answers: {details}")
     return StageRecord(answer_tokens, details)
+
+
+def run_job(job: dict) -> None:
+    """A worker process's share (``workers.run_workers``): its own engine on one thread."""
+    from dspark_ray import LLM
+
+    config = RecipeConfig.from_json(job["config"])
+    generate(LLM(config.target, None, **engine_args(config)), config, job["rows"], Path(job["out"]), job["label"])

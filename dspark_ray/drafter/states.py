@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from dspark_ray.drafter import vocab
 from dspark_ray.drafter.config import RecipeConfig
 from dspark_ray.drafter.workdir import StageRecord, WorkDir, say
+from dspark_ray.drafter.workers import run_workers
 
 SHARD_TOKENS = 65536
 BATCH_TOKENS = 4096  # padded tokens per teacher forward
@@ -207,8 +208,6 @@ def run(config: RecipeConfig, work: WorkDir) -> StageRecord:
     t0 = time.perf_counter()
     workers = min(config.workers, len(todo))
     if workers > 1:
-        from dspark_ray.drafter.workers import run_workers
-
         run_workers("states", [{"config": config.to_json(), "folder": str(work.states), "shards": todo[i::workers]}
                                for i in range(workers)], work.root)
     elif todo:
@@ -222,3 +221,8 @@ def run(config: RecipeConfig, work: WorkDir) -> StageRecord:
                                 "draft_vocab": len(chosen.ids) if chosen.ids else None,
                                 "vocab_coverage": chosen.coverage, "workers": max(1, workers),
                                 "tokens_per_second": round(made / seconds, 1) if made else None})
+
+
+def run_job(job: dict) -> None:
+    """A worker process's share (``workers.run_workers``): its own teacher on one thread."""
+    write_shards(RecipeConfig.from_json(job["config"]), Path(job["folder"]), job["shards"])
