@@ -402,8 +402,8 @@ def test_through_the_ray_workers_at_tensor_parallel_2(target_path, dspark_path, 
     import ray
 
     from dspark_ray.engine import Engine
-    from dspark_ray.serve.actors import start_replica_services
-    from dspark_ray.serve.metrics import StepObserver
+    from dspark_ray.runtime.actors import start_replica_services
+    from dspark_ray.runtime.metrics import StepObserver
     from dspark_ray.tokenizer import Tokenizer
     from serve_fixtures import OBJECT_STORE_BYTES
 
