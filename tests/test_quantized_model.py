@@ -46,6 +46,20 @@ def test_kept_blocks_give_the_dequantized_model_s_logits(tmp_path, qtype, embed)
 
 
 @needs_kernels
+def test_int8_activations_stay_close_to_the_dequantized_model(tmp_path):
+    """quantization int8 (llama.cpp's scheme): each 32-block of x rounded to int8, so a matmul is off by
+    about 1% relative; the logits keep their order where it is clear."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype="Q4_1", embed_qtype="Q8_0", seed=6)
+    int8, plain = load(path, dtype="float32", quantization="int8"), load(path, dtype="float32", quantization="none")
+    assert int8.model.layers[0].self_attn.o_proj.gemm.int8 and int8.lm_gemm.int8
+    a, b = logits(int8), logits(plain)
+    assert not torch.equal(a, b)  # the rounding is real ...
+    assert (a - b).norm() < 0.15 * b.norm()  # ... and small (8% here: random weights amplify it)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+@needs_kernels
 def test_the_blocks_are_the_file_s_bytes(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, qtype="Q4_1", embed_qtype="Q8_0", tied=False)
@@ -102,7 +116,7 @@ def test_quantization_none_or_no_kernels_keep_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")  # no kernel: the weights are dequantized at load
     off = load(path, dtype="float32")
     assert block_bytes(off) == 0 and off.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
-    with pytest.raises(Exception, match="quantization 'q2' is not one of auto, none"):
+    with pytest.raises(Exception, match="quantization 'q2' is not one of auto, int8, none"):
         load(path, quantization="q2")
 
 

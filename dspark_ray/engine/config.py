@@ -44,7 +44,8 @@ class EngineConfig:
     draft_dtype: str | None = "auto"
     device: str = "cpu"  # where the models run: cpu (collectives over gloo) or cuda (NCCL)
     # GGUF weights: "auto" keeps the file's blocks where a kernel reads them (model/quantized.py),
-    # "none" dequantizes every weight into dtype at load.
+    # "int8" too with int8 activations for Q8_0/Q4_0/Q4_1 (faster, not bit-faithful), "none"
+    # dequantizes every weight into dtype at load.
     quantization: str = "auto"
     # Overlap one half of the batch's draft with the other half's verification when the
     # draft and the target run in other processes (Engine docstring); no effect in process.
@@ -80,8 +81,8 @@ class EngineConfig:
             raise ConfigError(f"capacity must be >= 1, got {self.capacity}")
         if self.max_context < 2:
             raise ConfigError(f"max_context must be >= 2, got {self.max_context}")
-        if self.quantization not in ("auto", "none"):
-            raise ConfigError(f"quantization must be auto or none, got {self.quantization!r}")
+        if self.quantization not in ("auto", "int8", "none"):
+            raise ConfigError(f"quantization must be auto, int8 or none, got {self.quantization!r}")
         if self.draft_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"draft_dtype must be float32, bfloat16, float16, auto or None, got {self.draft_dtype!r}")
         if not 0 < self.memory_utilization <= 1:

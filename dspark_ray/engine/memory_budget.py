@@ -49,15 +49,20 @@ def memory_plan(config: EngineConfig, tensor_parallel_size: int = 1, nodes: int 
                           config.memory_utilization if memory_utilization is None else memory_utilization,
                           device)
     target = Checkpoint.of(read_config(config.model), device, runtime_dtype(config.dtype, config.device),
-                           config.quantization, name=checkpoint_name(config.model))
+                           _planned(config.quantization), name=checkpoint_name(config.model))
     draft = None
     if config.draft and config.spec_tokens > 0:
         draft = Checkpoint.of(read_config(config.draft), device, draft_runtime_dtype(config),
-                              config.quantization, name=checkpoint_name(config.draft))
+                              _planned(config.quantization), name=checkpoint_name(config.draft))
     workload = Workload(config.capacity, config.max_context, config.num_speculative_tokens, config.draft_window,
                         config.max_num_seqs, config.max_num_batched_tokens, config.kv_pool_tokens,
                         SLOT_POOL_SHARE if device == "cpu" else None, config.draft_ahead)
     return plan(target, placement, workload, draft)
+
+
+def _planned(quantization: str) -> str:
+    """The planner's name for what the loader keeps: int8 keeps the same blocks as auto."""
+    return "auto" if quantization == "int8" else quantization
 
 
 def check_fits(config: EngineConfig, tp: TensorParallel | None) -> MemoryPlan:

@@ -41,8 +41,9 @@ from dspark_ray.model.rope import rope_inv_freq
 from dspark_ray.model.tp import shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# GGUF weights: "auto" keeps the file's blocks where a kernel reads them, "none" dequantizes all.
-QUANTIZATION_MODES = ("auto", "none")
+# GGUF weights: "auto" keeps the file's blocks where a kernel reads them, "int8" too with activations
+# rounded to int8 per block (llama.cpp's scheme), "none" dequantizes all.
+QUANTIZATION_MODES = ("auto", "int8", "none")
 
 # Tensors some checkpoints carry that this implementation recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -95,7 +96,8 @@ def load(
         pack: on CPU, run the linears on oneDNN-prepacked weights (``cpu_gemm``); False keeps
             torch's own matmul.
         quantization: for a GGUF file, "auto" keeps the file's blocks wherever a kernel reads them
-            (``dspark_ray.model.quantized``), "none" dequantizes every weight into ``dtype``.
+            (``dspark_ray.model.quantized``), "int8" as well and rounds activations to int8 for the
+            Q8_0/Q4_0/Q4_1 ones (faster, not bit-faithful), "none" dequantizes every weight into ``dtype``.
     """
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
@@ -119,7 +121,7 @@ def load(
     if fp8 is not None:
         fp8.keep_quantized(model, device, dtype)  # CUDA: FP8 weights and scaled matmuls where they run
     kept: set[str] = set()
-    if gguf and quantization == "auto":  # the file's blocks where a kernel reads them
+    if gguf and quantization != "none":  # the file's blocks where a kernel reads them
         kept = keep_blocks(model, dict(tensor_handles(path)), device, dtype)
     model = model.to_empty(device=device)
     # Rotary frequencies stay float32 whatever the weights' dtype: in bfloat16
@@ -128,7 +130,7 @@ def load(
     _fill_parameters(model, tensor_handles(path), path, fp8, kept)
     model = fuse_projections(model.eval().requires_grad_(False))
     if kept:
-        attach_gemms(model)
+        attach_gemms(model, int8=quantization == "int8")
     if gguf:
         release_gguf()  # the model holds its own copy now; the file's mapped pages may go
     return pack_weights(model) if pack else model

@@ -127,10 +127,12 @@ class AppConfig(BaseModel):
         "(docs/performance/history.md).",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo for collectives, cuda uses NCCL.")
-    quantization: Literal["auto", "none"] = Field(
+    quantization: Literal["auto", "int8", "none"] = Field(
         "auto", description="GGUF models: auto keeps the file's quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K on "
         "cpu; Q8_0, Q4_0, Q4_1 on cuda) and multiplies by them directly, reading 3.5-7x fewer bytes per token "
-        "than dtype would (dspark_ray/model/quantized.py); other tensors are dequantized into dtype. none "
+        "than dtype would (dspark_ray/model/quantized.py); other tensors are dequantized into dtype. int8: the "
+        "same, with activations rounded to int8 per 32-block for the Q8_0/Q4_0/Q4_1 ones (llama.cpp's scheme; "
+        "faster on CPU, not bit-faithful to the dequantized model). none "
         "dequantizes every weight into dtype at load. No effect on safetensors checkpoints.",
     )
     compile_model: bool = Field(
