@@ -26,7 +26,9 @@ Every failure is a ``ModelLoadError`` naming the file, and the key or tensor, an
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -486,8 +488,15 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GgufCheckpoint:
 def release() -> None:
     """Forget the files opened so far: their memory maps close once nothing else holds them. The
     loader calls it when the weights are in place, so that the file's pages it read do not stay
-    resident beside the model's own copy."""
+    resident beside the model's own copy. The reader's metadata (a small array per vocabulary
+    entry: ~180 MB of heap for a 49,152-token vocabulary) is freed with it, and on glibc the heap
+    is trimmed so that the process's resident memory shows it."""
     _open_cached.cache_clear()
+    gc.collect()  # the reader's arrays sit in reference cycles of its fields
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is free for reuse, only not returned
+        pass
 
 
 def open_checkpoint(path: str | Path) -> GgufCheckpoint:
