@@ -394,7 +394,7 @@ class RecordedDraft:
 def test_through_the_ray_workers_at_tensor_parallel_2(target_path, dspark_path, reference):
     """The served services (a draft worker and two target shards as Ray actors, the engine
     pipelined over their channels, as a Serve replica drives them), once with the context states
-    sent by target rank 0 to the draft worker directly (serve/context_push.py, the default) and
+    sent by target rank 0 to the draft worker directly (runtime/context_push.py, the default) and
     once relayed through the engine (``context_path="replica"``): greedy output is the target's
     own both times; sent directly, no state passes the engine and the worker reads them all; and
     every block is the same either way, drafts and confidences (both read the block's context: a

@@ -59,7 +59,8 @@ from torch import nn
 from dspark_ray.model.checkpoint import locate, read_tensors
 from dspark_ray.model.config import ModelConfig
 from dspark_ray.model.errors import CheckpointFileMissing, ModelLoadError, TensorMissing, TensorShapeMismatch
-from dspark_ray.model.llama import CausalLM, DecoderLayer, Linear, RMSNorm, apply_rope
+from dspark_ray.model.layers import Linear, RMSNorm, apply_rope
+from dspark_ray.model.llama import CausalLM, DecoderLayer
 from dspark_ray.model.loader import check_device_dtype, resolve_dtype, weight_files
 from dspark_ray.model.rope import rope_attention_scaling, rope_inv_freq
 
