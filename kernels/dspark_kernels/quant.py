@@ -33,10 +33,14 @@ The formats (``FORMATS``; w is the weight, q the stored integer, d and m float16
   Q4_0, Q4_1; the reference for the K-quants.
 
 ``quant_matmul_int8`` (CPU, Q8_0 / Q4_0 / Q4_1): llama.cpp's scheme, a separate entry point.
-Each 32-block of a row of x is rounded to int8 with its own scale (``quantize_rows_int8``), so
-block dot products are exact in int32 (AVX512-VNNI), then scaled in float32: faster, and about as
-accurate as x's rounding to 8 bits (error bounds in tests/test_kernels_quant.py). Its reference is
-``reference_int8``.
+Each 32-block of a row of x is rounded to int8 with its own scale (``quantize_rows_int8``: llama.cpp's
+Q8_0 / Q8_1 activations, the same integers), so block dot products are exact in int32
+(AVX512-VNNI), then scaled in float32: faster, and about as accurate as x's rounding to 8 bits,
+which every weight meets alike (Q4_1's offset times the rounded block's sum, as llama.cpp's Q8_1
+``s``). It differs from llama.cpp's only in keeping the two activation scales float32 where
+llama.cpp stores float16 (and in the order of float sums). Error bounds, and the comparison with a
+transcription of llama.cpp's arithmetic and with llama.cpp's own logits, in
+tests/test_kernels_quant.py. Its reference is ``reference_int8``.
 
 Tensor parallelism slices a weight on block boundaries: ``slice_rows`` keeps output rows (column
 parallel: any rows), ``slice_cols`` keeps input columns (row parallel: a multiple of the block).
@@ -467,13 +471,18 @@ def _library() -> ctypes.CDLL | None:
 def quantize_rows_int8(
     x: torch.Tensor,  # [M, K] float32, K a multiple of 32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # xq [M, K/32, 32] int8, dx [M, K/32], sx [M, K/32]
-    """Each 32-block of each row rounded to int8: dx = max|x| / 127, xq = round-half-even(x * (1 / dx))
-    (0 where the block is all zeros), and sx = the block's float sum, as csrc/quant_gemm.c computes them."""
+    """Each 32-block of each row rounded to int8 as llama.cpp's quantize_row_q8_0 / q8_1 do it:
+    dx = max|x| / 127, xq = round-half-even(x * (127 / max|x|)) (0 where the block is all zeros), and
+    sx = dx * sum(xq), the rounded block's sum (Q8_1's s; not x's float sum: ``reference_int8``), all
+    float32 as csrc/quant_gemm.c computes them. llama.cpp stores dx and sx as float16; these stay float32."""
     blocks = x.reshape(x.shape[0], -1, 32)
-    dx = blocks.abs().amax(dim=-1) / 127.0
-    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    amax = blocks.abs().amax(dim=-1)
+    dx = amax / 127.0
+    # A true division: torch computes ``127.0 / amax`` as 127 * (1 / amax), rounded twice, which
+    # moves x * inv across a half now and then (llama.cpp and the C kernel divide once).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
-    return xq, dx, blocks.sum(dim=-1)
+    return xq, dx, dx * xq.sum(dim=-1, dtype=torch.int32).float()
 
 
 def reference_int8(
@@ -482,7 +491,10 @@ def reference_int8(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N] float32
     """What quant_matmul_int8 computes, in float64: for each pair of blocks, d * dx * (q . xq), plus
-    m * sx for Q4_1 (its offset times the block's exact sum of x)."""
+    m * sx for Q4_1 (its offset times the rounded block's sum dx * sum(xq)), so that every weight
+    d * q + m multiplies the same rounded x. (x's exact float sum there looks more accurate and is
+    not: the block's error becomes sum_k (w_k - m) * (dx * xq_k - x_k), weights d * q of one sign
+    whose roundings no longer cancel; on SmolLM2's Q4_1 layers 2-3 times the error of this.)"""
     fmt = weight.format
     k, n = weight.in_features, weight.out_features
     xq, dx, sx = quantize_rows_int8(x.reshape(-1, k))

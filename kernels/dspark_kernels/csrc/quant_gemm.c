@@ -22,10 +22,11 @@
  * multiply-adds, bound that loop), so there is no such buffer.
  *
  * Int8 path (dspark_quant_gemm_q8act, Q4_0 / Q4_1 / Q8_0 with AVX512-VNNI): each 32-block of a row
- * of x is rounded to int8 with its own scale, as llama.cpp does; the dot product of a weight block
- * and an x block is then exact in int32 (vpdpbusd), scaled by both blocks' scales into a float32
- * accumulator. Faster, and as accurate as x's rounding to int8 (about 1e-3 relative; see quant.py):
- * a separate entry point, not the float path.
+ * of x is rounded to int8 with its own scale, as llama.cpp does (its Q8_0 / Q8_1 activations); the
+ * dot product of a weight block and an x block is then exact in int32 (vpdpbusd), scaled by both
+ * blocks' scales into a float32 accumulator. Faster, and as accurate as x's rounding to int8 (every
+ * weight, Q4_1's offset included, multiplies the same rounded x; see quant.py): a separate entry
+ * point, not the float path.
  *
  * Threads (dspark_quant_set_threads): a call big enough is split by OUTPUT rows among the calling
  * thread and a small pool of pthreads of this library's own (not OpenMP: PyTorch's wheel carries its
@@ -685,16 +686,23 @@ int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w
 
 /* ---- int8 activations (llama.cpp's scheme) --------------------------------------------------------
  *
- * Each 32-block of a row of x becomes int8 xq with scale dx = max|x| / 127 (xq = x * (1 / dx) rounded
- * half to even; all zeros where the block is), its sum of xq, and its float sum sx. A weight block's
- * dot product with it is then exact in int32: vpdpbusd multiplies unsigned bytes by signed ones, so
- * Q4 nibbles (0..15) go in as they are, Q4_0's "- 8" and Q8_0's signed bytes (xor 0x80: q + 128)
- * are taken back through the block's sum of xq. Per block: y += d * dx * dot (+ m * sx for Q4_1).
+ * Each 32-block of a row of x becomes int8 xq with scale dx = max|x| / 127 (xq = x * (127 / max|x|)
+ * rounded half to even; all zeros where the block is), its sum of xq, and sx = dx * sum(xq): the sum
+ * of the ROUNDED block, as llama.cpp's Q8_1 keeps it (its s), not the float sum of x. A weight
+ * block's dot product with it is then exact in int32: vpdpbusd multiplies unsigned bytes by signed
+ * ones, so Q4 nibbles (0..15) go in as they are, Q4_0's "- 8" and Q8_0's signed bytes (xor 0x80:
+ * q + 128) are taken back through the block's sum of xq. Per block: y += d * dx * dot (+ m * sx for
+ * Q4_1), which is sum_k w_k * dx * xq_k for the block's weights w = d * q + m: every weight meets the
+ * same rounded x. With x's float sum in m's term instead, the block's error would be
+ * sum_k (w_k - m) * (dx * xq_k - x_k): the offset taken out, the weights d * q in 0..15 d all of one
+ * sign, so the roundings no longer cancel, and on SmolLM2's Q4_1 layers that was 2-3 times the error.
+ * Unlike llama.cpp, dx and sx stay float32 (it stores both as float16: 2^-11 more relative error
+ * in each block's terms, and s overflows where max|x| > 2047), so the two agree to that rounding.
  *
  * x is laid out per row in records of RECORD bytes, one a group (4 blocks of Q4, 2 of Q8_0), in the
  * order the weight decoder leaves the bytes, missing blocks of the last group zero:
  *   Q4_0 / Q4_1: [xq of weights 0..15 of blocks 0..3 : 64][weights 16..31 : 64]
- *                [16 float: dx of block l / 4][16: Q4_1 sx, Q4_0 8 * sum(xq), in lane 4b, else 0]
+ *                [16 float: dx of block l / 4][16: Q4_1 sx = dx * sum(xq), Q4_0 8 * sum(xq), in lane 4b, else 0]
  *   Q8_0:        [xq of blocks 0..1 : 64][unused : 64][16 float: dx of block l / 8]
  *                [16 int32: 128 * sum(xq) in lane 8b, else 0]
  */
@@ -732,35 +740,34 @@ int dspark_quant_gemm_q8act_native(void) {
 #endif
 }
 
-/* One 32-block of x: q = round-half-even(x * (1 / dx)) in -127..127 with dx = max|x| / 127 (q all zero
- * where the block is), the sum of q and the float sum sx of x. */
+/* One 32-block of x, as llama.cpp's quantize_row_q8_0 / q8_1 round it: dx = max|x| / 127 and
+ * q = round-half-even(x * (127 / max|x|)) in -127..127 (q all zero where the block is), the sum of q,
+ * and sx = dx * sum(q) (layout comment above: the rounded block's sum, not x's). */
 static inline void quantize_block(const float *xb, int8_t q[32], float *dx_out, int32_t *sum_out, float *sx_out) {
 #if defined(QG_AVX512)
     /* ~15 cycles a block, against ~400 for the scalar loop below (bench: M = 32 rows of K = 1536 took
      * ~240 us a call, longer than the matmul it fed). rint is the cvt under the default MXCSR. */
     const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
     const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))), lo), hi);
     const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))), lo), hi);
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
-    *dx_out = dx;
-    *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-    *sx_out = hsum((v16)_mm512_add_ps(a, b));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *dx_out = dx, *sum_out = sum, *sx_out = dx * (float)sum;
 #else
-    float amax = 0.0f, sx = 0.0f;
+    float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int i = 0; i < 32; ++i) {
         const float v = fminf(fmaxf(rintf(xb[i] * inv), -127.0f), 127.0f);
         q[i] = (int8_t)v;
         sum += q[i];
-        sx += xb[i];
     }
-    *dx_out = dx, *sum_out = sum, *sx_out = sx;
+    *dx_out = dx, *sum_out = sum, *sx_out = dx * (float)sum;
 #endif
 }
 
