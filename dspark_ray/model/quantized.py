@@ -23,7 +23,7 @@ Results equal dequantize-then-matmul up to the order of the float32 sums (the ke
 block to the same floats the dequantizer gives), so greedy output matches the dequantized model
 token for token except at a near-tie (tests/test_real_model.py holds it to transformers').
 ``quantization: int8`` rounds each 32-block of the activations to int8 first and multiplies in
-integers (llama.cpp's scheme, AVX512-VNNI): faster, and as exact as that rounding (~1% relative
+integers (llama.cpp's scheme, AVX512-VNNI): faster, and as exact as that rounding (0.3-1% relative
 per matmul), so greedy answers may part from the dequantized model's after a while.
 """
 
