@@ -128,3 +128,23 @@ def test_bind_cores_refuses_an_openmp_binding_beside_it():
     assert AppConfig(**{**args, "bind_cores": False, "worker_env_vars": {"OMP_PROC_BIND": "true"}})
     assert AppConfig(**{**args, "worker_env_vars": {"GOMP_SPINCOUNT": "1000"}}).bind_cores
 
+
+
+def test_every_replica_service_setting_comes_from_the_app_config():
+    """ray_services builds ReplicaServices from AppConfig by name (SERVICE_FIELDS for the few that are
+    named otherwise): a setting added to one without the other fails here, not silently at its default."""
+    import inspect
+
+    from dspark_ray.runtime.actors import SERVICE_FIELDS, ReplicaServices, service_settings
+
+    keywords = list(inspect.signature(ReplicaServices.__init__).parameters)[2:]
+    assert set(SERVICE_FIELDS) <= set(keywords)
+    for name in keywords:
+        if name not in ("app_name", "replica"):
+            assert SERVICE_FIELDS.get(name, name) in AppConfig.model_fields, name
+    changed = AppConfig(**{**app_args("shakespeare.yaml"), "worker_spin_s": 0.25, "slot_admission_timeout_s": 7.0,
+                           "step_timeout_factor": 3.0, "context_path": "replica"})
+    got = service_settings(changed)
+    assert (got["spin_s"], got["slot_timeout_s"], got["step_timeout_factor"], got["context_path"]) == \
+        (0.25, 7.0, 3.0, "replica")
+    assert got["slot_capacity"] == changed.capacity and got["bind_cores"] is True

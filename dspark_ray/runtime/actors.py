@@ -18,6 +18,7 @@ fails, and how the engine and the front are told, is ``errors.py``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 
@@ -571,20 +572,26 @@ def start_replica_services(config: EngineConfig, **kwargs) -> ReplicaServices:
     return ReplicaServices(config, **kwargs)
 
 
+# ReplicaServices' keyword arguments that an AppConfig field of another name gives; every other one is
+# the AppConfig field of its own name (ray_services).
+SERVICE_FIELDS = {"slot_timeout_s": "slot_admission_timeout_s", "call_timeout_s": "worker_call_timeout_s",
+                  "slot_capacity": "capacity", "spin_s": "worker_spin_s"}
+
+
+def service_settings(config) -> dict:
+    """ReplicaServices' settings from an ``AppConfig``: each keyword of its constructor (after the engine
+    config, the application and the replica) from the field of its name or SERVICE_FIELDS', so a new
+    setting cannot be left out (an AttributeError names it)."""
+    params = list(inspect.signature(ReplicaServices.__init__).parameters)[2:]
+    return {name: getattr(config, SERVICE_FIELDS.get(name, name)) for name in params
+            if name not in ("app_name", "replica")}
+
+
 def ray_services(config, app_name: str, replica: str) -> ReplicaServices:
     """The server's default services factory: from the deploy-level ``AppConfig``.
 
     The engine config holds this replica's share (``slots_per_replica``); the
     slot manager the application's ``capacity``.
     """
-    return start_replica_services(
-        config.engine_config(), app_name=app_name, replica=replica,
-        tensor_parallel_size=config.tensor_parallel_size, placement_strategy=config.placement_strategy,
-        cpus_per_shard=config.cpus_per_shard, torch_threads=config.torch_threads,
-        slot_timeout_s=config.slot_admission_timeout_s, call_timeout_s=config.worker_call_timeout_s,
-        slot_capacity=config.capacity, spin_s=config.worker_spin_s,
-        single_thread_max_rows=config.single_thread_max_rows, bind_cores=config.bind_cores,
-        step_timeout_floor_s=config.step_timeout_floor_s, step_timeout_factor=config.step_timeout_factor,
-        draft_placement=config.draft_placement, context_path=config.context_path,
-        worker_env_vars=config.worker_env_vars,
-    )
+    return start_replica_services(config.engine_config(), app_name=app_name, replica=replica,
+                                  **service_settings(config))
