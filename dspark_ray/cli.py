@@ -75,6 +75,7 @@ def _nccl_check(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """The memory plan of a deployment (dspark_ray/model/memory.py); exit status 1 if it does not fit."""
+    from dspark_ray.engine.config import is_ngram
     from dspark_ray.model.errors import ModelLoadError
     from dspark_ray.model.memory import (GB, SLOT_POOL_SHARE, Checkpoint, Placement, Workload,
                                          available_host_memory, checkpoint_name, plan, read_config)
@@ -94,7 +95,7 @@ def _plan(args: argparse.Namespace) -> int:
         target = Checkpoint.of(read_config(args.model), args.device, args.dtype, args.quantization,
                                checkpoint_name(args.model))
         draft = None
-        if args.draft and args.k:
+        if args.draft and args.k and not is_ngram(args.draft):  # prompt lookup holds no weights
             draft = Checkpoint.of(read_config(args.draft), args.device, args.dtype, name=checkpoint_name(args.draft))
         work = Workload(args.capacity, args.max_context, args.k, args.draft_window, args.max_num_seqs,
                         args.max_num_batched_tokens, args.kv_pool_tokens,
@@ -113,7 +114,8 @@ def _add_plan_command(sub) -> None:
     plan = sub.add_parser("plan", help="will a deployment fit its memory: weights, KV cache, draft, workspace per "
                           "device, the verdict and what would fit (from config.json alone, no weights read)")
     plan.add_argument("--model", required=True, help="target checkpoint folder, its config.json, or a .gguf file")
-    plan.add_argument("--draft", default=None, help="draft checkpoint folder, config.json or .gguf (default: none)")
+    plan.add_argument("--draft", default=None, help="draft checkpoint folder, config.json or .gguf, or ngram "
+                      "(prompt lookup, no weights; default: none)")
     plan.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     plan.add_argument("--nodes", type=int, default=1, help="boxes the ranks are spread over")
     plan.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=DEFAULT_MODEL,
                      help="target: a checkpoint folder, a .gguf file or package:<distribution>/<file> "
                      f"(default {DEFAULT_MODEL})")
-    gen.add_argument("--draft", default=None, help="draft, named the same ways (default: none, the target alone)")
+    gen.add_argument("--draft", default=None, help="draft, named the same ways, or ngram (prompt lookup; "
+                     "default: none, the target alone)")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
     gen.add_argument("-k", type=int, default=4, help="speculative tokens per step")
     gen.add_argument("--max-tokens", type=int, default=64)

@@ -5,7 +5,7 @@ be enumerated: its exact probability under the target (temperature, top-k
 and top-p applied here independently of the engine, on transformers' logits)
 is compared with thousands of sampled requests by a chi-square test at fixed
 seeds. The draft is an unrelated random model, so its q differs from p and
-acceptance is partial; ``test_chi_square_has_power`` checks that the same
+acceptance is partial (or prompt lookup, ``draft: ngram``, whose drafts are point masses); ``test_chi_square_has_power`` checks that the same
 test rejects the distribution a broken rule would give (every draft
 accepted), so a pass is evidence, not an accident of a weak test.
 """
@@ -94,11 +94,14 @@ def chi_square(counts: dict, expected_probs: dict, n: int) -> tuple[float, int, 
 
 
 def sample_counts(models: TinyVocabModels, k: int | None, params: dict, n: int = NUM_SAMPLES,
-                  wide: bool = False) -> tuple[dict, list, list]:
+                  wide: bool = False, ngram: bool = False) -> tuple[dict, list, list]:
     target = models.wide_target if wide else models.target
     draft = (models.wide_draft if wide else models.draft) if k else None
+    lookup = {}
+    if ngram:  # prompt lookup from the shortest suffix: in a 5-token vocabulary most steps find one
+        draft, lookup = "ngram", dict(prompt_lookup_min=1, prompt_lookup_max=2)
     engine = make_engine(target, draft, num_speculative_tokens=k or 1, capacity=64, max_num_seqs=64,
-                         max_context=16)
+                         max_context=16, **lookup)
     if draft:
         engine.draft = log = ProposalLog(engine.draft)
     counts: dict[tuple, int] = {}
@@ -117,6 +120,7 @@ CASES = {
     "t1-spec2": (2, dict(temperature=1.0)),
     "t1-spec2-wide-draft": (2, dict(temperature=1.0)),
     "t1-spec1": (1, dict(temperature=1.0)),
+    "t1-ngram2": (2, dict(temperature=1.0)),
     "t1-nospec": (None, dict(temperature=1.0)),
     "topk-topp-spec2": (2, dict(temperature=1.5, top_k=4, top_p=0.95)),
 }
@@ -128,7 +132,7 @@ def test_sampled_sequences_follow_the_target_distribution(tiny_vocab_models: Tin
     expected = exact_distribution(tiny_vocab_models.target, tiny_vocab_models.vocab, params["temperature"],
                                   params.get("top_k", 0), params.get("top_p", 1.0))
     wide = case.endswith("wide-draft")
-    counts, specs, proposed = sample_counts(tiny_vocab_models, k, params, wide=wide)
+    counts, specs, proposed = sample_counts(tiny_vocab_models, k, params, wide=wide, ngram="ngram" in case)
     assert all(expected[seq] > 0 for seq in counts), "sampled a sequence the target gives probability 0"
     if wide:  # the draft proposed ids the target lacks (always rejected), and the rule stayed exact
         print(f"{case}: {sum(t >= tiny_vocab_models.vocab for t in proposed) / len(proposed):.2f} of drafts outside")

@@ -2,9 +2,9 @@
 
 The reference is transformers' own GGUF loader in float32, greedy, on real chat prompts
 (real_model_fixtures). The engine must produce the same tokens, token for token, alone and with
-speculation: with the model as its own draft (every draft accepted, bonus tokens) and with a
+speculation: with the model as its own draft (every draft accepted, bonus tokens), with a
 draft of its first 20 layers (a real model of the same family that disagrees with it now and
-then, so drafts are both accepted and rejected).
+then, so drafts are both accepted and rejected), and with prompt lookup (``draft: ngram``).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def test_greedy_chat_equals_transformers(smollm2_reference):
     assert "Paris" in ref.texts[0]
 
 
-@pytest.mark.parametrize("draft_kind, k", [("self", 4), ("shallow", 3)])
+@pytest.mark.parametrize("draft_kind, k", [("self", 4), ("shallow", 3), ("ngram", 4)])
 def test_greedy_chat_with_speculation_equals_transformers(smollm2_reference, shallow_draft, draft_kind, k):
     ref = smollm2_reference
-    draft = smollm2_path() if draft_kind == "self" else shallow_draft
+    draft = {"self": smollm2_path(), "shallow": shallow_draft, "ngram": "ngram"}[draft_kind]
     # The draft attends to the whole context (its window cache as long as max_context), as the target does.
     llm = LLM(str(smollm2_path()), str(draft), dtype="float32", draft_dtype="float32", max_context=512,
               draft_window=512, capacity=8, num_speculative_tokens=k, adaptive_speculation=False)

@@ -7,6 +7,16 @@ from dataclasses import dataclass
 from dspark_ray.model.checkpoint import locate
 
 
+# ``draft: ngram``: prompt-lookup drafting from the request's own tokens, no draft model
+# (engine/ngram_proposer.py).
+NGRAM = "ngram"
+
+
+def is_ngram(draft: str | None) -> bool:
+    """Whether ``draft`` names prompt-lookup drafting rather than a draft checkpoint."""
+    return draft == NGRAM
+
+
 class ConfigError(ValueError):
     """An engine setting is out of range; the message says how to fix it."""
 
@@ -16,7 +26,7 @@ class EngineConfig:
     # The target: a checkpoint folder, a .gguf file or package:<distribution>/<file>
     # (model/checkpoint.py); kept as the local path it names.
     model: str
-    draft: str | None = None  # the draft, named the same ways; None = no speculation
+    draft: str | None = None  # the draft, named the same ways, or "ngram"; None = no speculation
     num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
     # Choose each step's k from acceptance and measured costs (engine/adaptive.py); False: always k.
     adaptive_speculation: bool = True
@@ -29,6 +39,9 @@ class EngineConfig:
     # block only as far as the head expects it to be accepted (adaptive.confident_drafts).
     confidence_verification: bool = True
     draft_window: int = 32  # positions the draft attends to (its ring cache holds window + k)
+    # draft "ngram": the longest and shortest suffix of a request's tokens looked up in its history.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     capacity: int = 64  # request slots 1..capacity (row 0 is padding)
     max_context: int = 1024  # prompt + output tokens per request
     # Target KV pool size. None: on CUDA what the device has left after the weights (memory_utilization,
@@ -67,8 +80,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", str(locate(self.model)))
-        if self.draft is not None:
+        if self.draft is not None and not is_ngram(self.draft):
             object.__setattr__(self, "draft", str(locate(self.draft)))
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.compile_model and self.device != "cpu":
             raise ConfigError(f"compile_model is for device cpu (CUDA runs CUDA graphs), got device {self.device!r}")
         if self.speculation_max_batch is not None and self.speculation_max_batch < 1:

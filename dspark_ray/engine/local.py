@@ -9,6 +9,8 @@ The draft is one of two kinds, told apart by its config.json
 (``DraftProposer``) or DSpark's block drafter (``DSparkProposer``), whose
 context is the target's hidden states at a few layers, so its target runs
 with ``taps`` (and without its prefix cache: ``make_target_runner``).
+``draft: ngram`` names no checkpoint: prompt lookup in the request's own
+tokens (``NgramProposer``).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.config import EngineConfig, is_ngram
 from dspark_ray.engine.draft_proposer import DraftProposer
 from dspark_ray.engine.dspark_proposer import DSparkProposer
 from dspark_ray.engine.dtypes import draft_runtime_dtype, runtime_dtype
 from dspark_ray.engine.engine import Engine
+from dspark_ray.engine.ngram_proposer import NgramProposer
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
 from dspark_ray.model import ModelConfig, load
@@ -43,7 +46,8 @@ DRAFT_SHAPES = [(1, 1), (1, 8), (4, 1), (4, 8)]
 
 def uses_dspark(config: EngineConfig) -> bool:
     """Whether the engine speculates with a DSpark block drafter (by the draft's config.json)."""
-    return bool(config.draft) and config.spec_tokens > 0 and is_dspark_checkpoint(config.draft)
+    return (bool(config.draft) and config.spec_tokens > 0 and not is_ngram(config.draft)
+            and is_dspark_checkpoint(config.draft))
 
 
 def check_draft(config: EngineConfig, tokenizer: Tokenizer) -> None:
@@ -51,7 +55,7 @@ def check_draft(config: EngineConfig, tokenizer: Tokenizer) -> None:
     weight is read): tokenizers that differ, an MLA model as an independent draft, a DSpark draft
     whose target layers, hidden size or vocabulary do not fit the target (``DraftTargetMismatch``).
     A DSpark checkpoint may ship no tokenizer (it reads the target's ids); one it ships must match."""
-    if not config.draft:
+    if not config.draft or is_ngram(config.draft):
         return
     if is_dspark_checkpoint(config.draft):
         check_fits(DSparkConfig.from_path(config.draft), ModelConfig.from_path(config.model))
@@ -98,9 +102,13 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
 
 
 def make_draft_proposer(config: EngineConfig, vocab_limit: int | None,
-                        target: CausalLM | None = None) -> DraftProposer | DSparkProposer:
+                        target: CausalLM | None = None) -> DraftProposer | DSparkProposer | NgramProposer:
     """The draft service for ``config.draft``. A DSpark draft shares the target's embedding and LM
     head: ``target``'s when it is loaded in this process (unsharded), else read from its checkpoint."""
+    if is_ngram(config.draft):
+        vocab = vocab_limit if vocab_limit is not None else ModelConfig.from_path(config.model).vocab_size
+        return NgramProposer(config.capacity, config.max_context, config.spec_tokens, vocab,
+                             config.prompt_lookup_min, config.prompt_lookup_max)
     if is_dspark_checkpoint(config.draft):
         heads = TargetHeads.of(target) if target is not None else TargetHeads.read(
             config.model, runtime_dtype(config.dtype, config.device), config.device)

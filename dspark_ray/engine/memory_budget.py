@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.config import EngineConfig, is_ngram
 from dspark_ray.engine.dtypes import draft_runtime_dtype, runtime_dtype
 from dspark_ray.model.memory import (
     SLOT_POOL_SHARE,
@@ -51,7 +51,7 @@ def memory_plan(config: EngineConfig, tensor_parallel_size: int = 1, nodes: int 
     target = Checkpoint.of(read_config(config.model), device, runtime_dtype(config.dtype, config.device),
                            _planned(config.quantization), name=checkpoint_name(config.model))
     draft = None
-    if config.draft and config.spec_tokens > 0:
+    if config.draft and config.spec_tokens > 0 and not is_ngram(config.draft):  # prompt lookup: no weights
         draft = Checkpoint.of(read_config(config.draft), device, draft_runtime_dtype(config),
                               _planned(config.quantization), name=checkpoint_name(config.draft))
     workload = Workload(config.capacity, config.max_context, config.num_speculative_tokens, config.draft_window,

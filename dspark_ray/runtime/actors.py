@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.config import EngineConfig, is_ngram
 from dspark_ray.engine.dspark_proposer import context_window
 from dspark_ray.engine.interfaces import Proposal, ProposeRow, TargetStep, VerifyResult
 from dspark_ray.engine.local import check_draft, uses_dspark
@@ -420,7 +420,8 @@ class ReplicaServices:
         self.shards: list = []
         speculates = bool(config.draft) and config.spec_tokens > 0
         # The draft in target rank 0's process: that rank serves its proposals on a channel of its own.
-        self.draft_in_target = speculates and draft_placement == "target"
+        # Prompt lookup (draft ngram) always is: it costs microseconds a row, no worker of its own pays.
+        self.draft_in_target = speculates and (draft_placement == "target" or is_ngram(config.draft))
         # A DSpark draft's context window; its states go from rank 0 to the draft directly
         # (runtime/context_push.py) unless context_path is "replica".
         self.context_window = None

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from dspark_ray.engine.config import EngineConfig
+from dspark_ray.engine.config import EngineConfig, is_ngram
 from dspark_ray.model.checkpoint import REPO_ROOT, describe, is_gguf, locate
 
 # The repository root (the shipped pair and bench/ live there), re-exported for the CLI.
@@ -43,7 +43,9 @@ class AppConfig(BaseModel):
     draft: str | None = Field(
         "models/shakespeare-draft",
         description="The draft checkpoint, named the same ways; it must share the target's tokenizer. "
-        "null serves the target alone.",
+        "ngram: no draft model, drafts copied from the request's own tokens where their last few tokens "
+        "occurred before (prompt lookup, as vLLM's method ngram; engine/ngram_proposer.py), run in target "
+        "rank 0's process. null serves the target alone.",
     )
     served_model_name: str | None = Field(
         None, description="The name clients put in `model`; defaults to the target folder's name."
@@ -67,6 +69,12 @@ class AppConfig(BaseModel):
         "verifies its block only as far as the head expects it accepted (P(all accepted so far) >= 0.2).",
     )
     draft_window: int = Field(32, ge=1, description="Positions the draft attends to (its ring cache size minus k).")
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="draft ngram: the longest suffix of a request's tokens looked up in its "
+        "history (longer first; the most recent occurrence wins).")
+    prompt_lookup_min: int = Field(
+        2, ge=1, le=64, description="draft ngram: the shortest suffix looked up; no occurrence of one at least "
+        "this long, no drafts for the request this step.")
     capacity: int = Field(
         64, ge=1, description="Request slots of the whole application, shared by its replicas: the slot manager "
         "hands a free one to whichever replica admits a request. Adding replicas adds no slots.",
@@ -269,9 +277,9 @@ class AppConfig(BaseModel):
 
     @field_validator("model", "draft")
     @classmethod
-    def _checkpoint_exists(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
+    def _checkpoint_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or (info.field_name == "draft" and is_ngram(value)):
+            return value
         from dspark_ray.model.errors import ModelLoadError
 
         try:
@@ -379,6 +387,9 @@ class AppConfig(BaseModel):
         if self.compile_model and self.tensor_parallel_size > 1:
             raise ValueError(f"compile_model runs tensor_parallel_size 1 only (got {self.tensor_parallel_size}): "
                              "the shards' all-reduces are not compiled; set compile_model: false")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max}); lower it or raise prompt_lookup_max")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_context + self.num_speculative_tokens:
             raise ValueError(
                 f"kv_pool_tokens must be at least max_context + num_speculative_tokens "
@@ -443,6 +454,6 @@ class AppConfig(BaseModel):
         return EngineConfig(
             **shared,
             capacity=self.slots_per_replica,
-            pipeline=self.pipeline and self.draft_placement == "worker",
-            draft_ahead=self.draft_ahead and self.draft_placement == "worker",
+            pipeline=self.pipeline and self.draft_placement == "worker" and not is_ngram(self.draft),
+            draft_ahead=self.draft_ahead and self.draft_placement == "worker" and not is_ngram(self.draft),
         )
