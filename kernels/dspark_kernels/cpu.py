@@ -48,7 +48,7 @@ from dspark_kernels import ops
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.c", "cpu_gemm.c", "quant_gemm.c"))
-FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
+FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared", "-Werror=implicit-function-declaration")
 _ERRORS = {
     -1: "a write index is outside the KV cache",
     -2: "a key index is outside the KV pool",
@@ -65,6 +65,12 @@ class CpuKernelError(RuntimeError):
 def enabled() -> bool:
     """Whether the kernels may be used: not turned off, and the kernel backend not forced."""
     return os.environ.get("DSPARK_CPU_KERNELS", "1") != "0" and ops.get_backend() == "auto"
+
+
+def can_build() -> bool:
+    """Whether the kernels are enabled and this machine has a C compiler: then ``library()`` must build
+    and load them, and a failure is a bug (the tests say so rather than skip)."""
+    return enabled() and _compiler() is not None
 
 
 def takes(*tensors: torch.Tensor) -> bool:

@@ -51,6 +51,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
+#if defined(__F16C__)
+#include <immintrin.h> /* _cvtsh_ss (half below), also on CPUs with F16C but no AVX-512 */
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
