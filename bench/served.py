@@ -7,6 +7,7 @@
     .venv/bin/python bench/served.py --yaml my-tp2.yaml --port 8123 --rounds 3
     .venv/bin/python bench/served.py --sequential   # the old order: one system after the other
     .venv/bin/python bench/served.py --vllm-spec ngram --vllm-threads-bind auto   # vLLM configured otherwise
+    .venv/bin/python bench/served.py --yaml deploy/dspark-ngram.yaml   # both with prompt lookup (ngram)
     .venv/bin/python bench/served.py --yaml deploy/shakespeare.yaml --workload random   # the toy pair
 
 The systems:
@@ -24,7 +25,8 @@ The systems:
   and vLLM serves that folder. Its speculation (--vllm-spec): none, ngram (its
   prompt lookup, the YAML's k or 4) or draft (draft_model with the YAML's draft
   and k, run in the target's dtype, where dspark_ray runs it in ``draft_dtype``);
-  by default draft where the YAML has a draft, else none. Its OpenMP threads
+  by default as the YAML speculates: ngram where it has ``draft: ngram``, draft
+  where it has a draft checkpoint, else none. Its OpenMP threads
   (--vllm-threads-bind): all binds one to each of cores 0..--threads-1, auto
   leaves vLLM's own choice, which on x86 reserves a core per rank for its
   engine-core process: one compute thread on a 2-core box. tcmalloc is preloaded
@@ -146,7 +148,6 @@ SYSTEMS = ("dspark", "vllm", "inprocess")
 SERVED = ("dspark", "vllm")  # the systems behind an HTTP server, driven by vLLM's client
 VLLM_SPECS = ("none", "ngram", "draft")
 THREADS_BINDS = ("auto", "all")
-NGRAM_LOOKUP_MAX = 4  # vLLM's docs' example for method ngram (prompt_lookup_min then defaults to it)
 IDLE_SAMPLE_S = 5.0  # how long both servers' idle CPU is sampled after the warm-ups
 MEMORY_SHOWN = 20_000_000  # bytes: a process resident with less is summed with the others in the report
 LABELS = {"dspark": "dspark_ray served", "vllm": "vLLM served", "inprocess": "dspark_ray in-process"}
@@ -906,13 +907,15 @@ def vllm_server_env(threads: int, bind: str = "all") -> dict[str, str]:
 
 
 def speculative_config(app: dict, spec: str) -> dict | None:
-    """vLLM's --speculative-config for ``spec``: none; ngram, its prompt lookup (n-grams of up to
-    NGRAM_LOOKUP_MAX tokens of the prompt and output so far) proposing the YAML's k tokens, or 4 where it
-    speculates with none; draft, draft_model with the app's draft and k."""
+    """vLLM's --speculative-config for ``spec``: none; ngram, its prompt lookup (n-grams of the YAML's
+    prompt_lookup_min .. _max tokens of the prompt and output so far, as dspark_ray's draft ngram) proposing
+    the YAML's k tokens, or 4 where it speculates with none; draft, draft_model with the app's draft and k."""
     if spec == "none":
         return None
     if spec == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": app["k"] or 4, "prompt_lookup_max": NGRAM_LOOKUP_MAX}
+        cfg = app["config"]  # the YAML's own lookup lengths (AppConfig's defaults where it sets none)
+        return {"method": "ngram", "num_speculative_tokens": app["k"] or 4,
+                "prompt_lookup_max": cfg.prompt_lookup_max, "prompt_lookup_min": cfg.prompt_lookup_min}
     if not app["draft"]:
         raise SystemUnavailable("--vllm-spec draft needs a draft, and the YAML serves none; use ngram or none")
     return {"method": "draft_model", "model": app["draft"], "num_speculative_tokens": app["k"]}
@@ -982,10 +985,13 @@ def app_of(yaml_path: Path) -> dict:
     from dspark_ray.engine.dtypes import draft_runtime_dtype, runtime_dtype
     from dspark_ray.model.checkpoint import locate
 
+    from dspark_ray.engine.config import is_ngram
+
     cfg = AppConfig(**load_yaml(yaml_path)["applications"][0].get("args", {}))
-    draft = str(locate(cfg.draft).resolve()) if cfg.draft else None
+    ngram = is_ngram(cfg.draft)  # prompt lookup: no draft checkpoint; vLLM gets its own (--vllm-spec ngram)
+    draft = str(locate(cfg.draft).resolve()) if cfg.draft and not ngram else None
     engine = cfg.engine_config()
-    return {"config": cfg, "model": str(locate(cfg.model).resolve()), "draft": draft,
+    return {"config": cfg, "model": str(locate(cfg.model).resolve()), "draft": draft, "ngram": ngram,
             "k": cfg.num_speculative_tokens, "name": cfg.model_name, "max_context": cfg.max_context,
             "dtype": runtime_dtype(cfg.dtype, cfg.device), "draft_dtype": draft_runtime_dtype(engine) if draft else None}
 
@@ -1623,8 +1629,8 @@ def parse(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     if not 0 <= args.range_ratio < 1:
         ap.error("--range-ratio must be in [0, 1)")
     app = app_of(args.yaml)
-    if args.vllm_spec is None:
-        args.vllm_spec = "draft" if app["draft"] and app["k"] else "none"
+    if args.vllm_spec is None:  # vLLM speculates as the YAML does
+        args.vllm_spec = "none" if not app["k"] else "ngram" if app["ngram"] else "draft" if app["draft"] else "none"
     if args.vllm_spec == "draft" and not app["draft"] and "vllm" in args.systems:
         ap.error(f"--vllm-spec draft: {args.yaml.name} serves no draft for vLLM to take; use ngram or none")
     args.tokenizer = None  # the benchmark client's: set when the first server starts (run_served)

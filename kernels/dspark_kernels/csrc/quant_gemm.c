@@ -35,7 +35,8 @@
  * neither the thread count nor the batch. The pool is described where it is defined, below.
  *
  * Plain C with GCC/Clang vector extensions for the arithmetic, and AVX-512 intrinsics (guarded by
- * __AVX512F__ etc.) for the decoders; without them a portable scalar decoder gives the same floats
+ * __AVX512F__ etc.) for the decoders, or AVX2 ones for Q8_0 / Q4_0 / Q4_1 (__AVX2__, __F16C__: most
+ * laptops); without them a portable scalar decoder gives the same floats
  * and the int8 path a scalar loop. Built and loaded by dspark_kernels/cpu.py.
  */
 #define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
@@ -52,12 +53,15 @@
 #include <xmmintrin.h>
 #endif
 #if defined(__F16C__)
-#include <immintrin.h> /* _cvtsh_ss (half below), also on CPUs with F16C but no AVX-512 */
+#include <immintrin.h> /* _cvtsh_ss (half below), and AVX2's intrinsics, on CPUs without AVX-512 too */
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define QG_AVX512 1
+#endif
+#if !defined(QG_AVX512) && defined(__AVX2__) && defined(__F16C__)
+#define QG_AVX2 1 /* most laptops' CPUs, and AMD's before Zen 4: decoders for Q8_0, Q4_0, Q4_1 */
 #endif
 #if defined(QG_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define QG_VNNI 1
@@ -218,7 +222,7 @@ static inline void dec_q6_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
     *hi = out[1];
 }
 
-#else /* portable: the same floats, one at a time */
+#else /* portable (and AVX2 for Q8_0, Q4_0, Q4_1, below): the same floats */
 
 /* Keeps each product in t rounded before anything is added to it. */
 #define ROUNDED(t) __asm__("" : "+m"(t))
@@ -228,6 +232,57 @@ static inline void split(const float t[32], v16 *lo, v16 *hi) {
     memcpy(hi, t + 16, 64);
 }
 
+#if defined(QG_AVX2)
+/* Eight weights at a time in a ymm register, a group as four (weights 0-7, 8-15, 16-23, 24-31): each
+ * the same product (and sum) gguf computes, rounded on its own (rounded8 keeps a multiply from being
+ * fused with the add after it). The float path's AVX2 tiles (below) take them as they are: the 64-byte
+ * v16 of the portable path went through the stack on AVX2 and left a decode step ~30x slower. */
+static inline __m256 rounded8(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* Bytes 0..7 and 8..15 of q, signed, as two vectors of 8 floats. */
+static inline void widen_s8(__m128i q, __m256 out[2]) {
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+}
+
+static inline void dec_q8_0_8(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *b = row + g * 34;
+    const __m256 d = _mm256_set1_ps(half(b));
+    widen_s8(_mm_loadu_si128((const __m128i *)(b + 2)), w);
+    widen_s8(_mm_loadu_si128((const __m128i *)(b + 18)), w + 2);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], d);
+}
+
+/* A Q4 block's 16 bytes of quants: weights 0..15 are their low nibbles, 16..31 their high ones. */
+static inline void nibbles(const uint8_t *qs, __m128i out[2]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
+    out[0] = _mm_and_si128(raw, mask);
+    out[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+}
+
+static inline void dec_q4_0_8(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *b = row + g * 18;
+    const __m256 d = _mm256_set1_ps(half(b));
+    __m128i q[2];
+    nibbles(b + 2, q);
+    widen_s8(_mm_sub_epi8(q[0], _mm_set1_epi8(8)), w); /* q - 8, exact */
+    widen_s8(_mm_sub_epi8(q[1], _mm_set1_epi8(8)), w + 2);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, w[i]);
+}
+
+static inline void dec_q4_1_8(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *b = row + g * 20;
+    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    __m128i q[2];
+    nibbles(b + 4, q);
+    widen_s8(q[0], w); /* 0..15: the same signed as unsigned */
+    widen_s8(q[1], w + 2);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(rounded8(_mm256_mul_ps(d, w[i])), m);
+}
+#else
 static inline void dec_q8_0(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
     const uint8_t *b = row + g * 34;
     const float d = half(b);
@@ -253,6 +308,7 @@ static inline void dec_q4_1(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
     for (int i = 0; i < 32; ++i) t[i] += m;
     split(t, lo, hi);
 }
+#endif
 
 static inline void dec_q4_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
     const uint8_t *b = row + (g >> 3) * 144;
@@ -288,6 +344,52 @@ static inline void dec_q6_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
  * read as one forward stream: on the development box two or four rows read side by side took the
  * memory rate from ~20 to ~8-10 GB/s), each group decoded once and applied to the R rows. */
 
+#if defined(QG_AVX2)
+/* The K-quants keep the portable decoders on AVX2: their groups as the tiles take them. */
+#define DEC8_OF(DEC)                                                                                          \
+    static inline void DEC##_8(const uint8_t *row, int64_t g, __m256 w[4]) {                                  \
+        v16 lo, hi;                                                                                           \
+        DEC(row, g, &lo, &hi);                                                                                \
+        memcpy(w, &lo, 64);                                                                                   \
+        memcpy(w + 2, &hi, 64);                                                                               \
+    }
+DEC8_OF(dec_q4_k)
+DEC8_OF(dec_q6_k)
+
+#if defined(__FMA__)
+#define MADD8(a, b, c) _mm256_fmadd_ps(a, b, c)
+#else
+#define MADD8(a, b, c) _mm256_add_ps(c, _mm256_mul_ps(a, b))
+#endif
+
+/* finish(), for a result held as four ymm accumulators (weights 0-7, 8-15, 16-23, 24-31 of every
+ * group): low and high 16 added, then the same tree as hsum. */
+static inline float finish8(const __m256 a[4]) {
+    const __m256 s8 = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#define STREAM_TILE(NAME, DECODE, R)                                                                          \
+    static void NAME(const float *x, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t count, float *y, \
+                     int64_t ldy) {                                                                           \
+        for (int64_t n = 0; n < count; ++n) {                                                                 \
+            const uint8_t *row = w + n * row_bytes;                                                           \
+            __m256 acc[R][4];                                                                                 \
+            for (int r = 0; r < R; ++r)                                                                       \
+                for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();                                  \
+            for (int64_t g = 0; g < K / 32; ++g) {                                                            \
+                __m256 wv[4];                                                                                 \
+                DECODE##_8(row, g, wv);                                                                       \
+                for (int r = 0; r < R; ++r)                                                                   \
+                    for (int i = 0; i < 4; ++i)                                                               \
+                        acc[r][i] = MADD8(wv[i], _mm256_loadu_ps(x + r * K + 32 * g + 8 * i), acc[r][i]);     \
+            }                                                                                                 \
+            for (int r = 0; r < R; ++r) y[r * ldy + n] = finish8(acc[r]);                                     \
+        }                                                                                                     \
+    }
+#else
 #define STREAM_TILE(NAME, DECODE, R)                                                                          \
     static void NAME(const float *x, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t count, float *y, \
                      int64_t ldy) {                                                                           \
@@ -306,6 +408,8 @@ static inline void dec_q6_k(const uint8_t *row, int64_t g, v16 *lo, v16 *hi) {
             for (int r = 0; r < R; ++r) y[r * ldy + n] = finish(acc[r]);                                      \
         }                                                                                                     \
     }
+
+#endif
 
 /* (x, K, blocks, row_bytes, output rows, y, ldy) */
 typedef void (*StreamTile)(const float *, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
