@@ -117,8 +117,9 @@ MAX_TOKENS = 48
 
 
 def ngram_config(models, **overrides) -> EngineConfig:
-    return EngineConfig(model=str(models.target), draft="ngram", num_speculative_tokens=4, adaptive_speculation=False,
-                        prompt_lookup_min=1, capacity=8, max_context=128, max_num_seqs=8, **overrides)
+    fields = dict(model=str(models.target), draft="ngram", num_speculative_tokens=4, adaptive_speculation=False,
+                  prompt_lookup_min=1, capacity=8, max_context=128, max_num_seqs=8)
+    return EngineConfig(**{**fields, **overrides})
 
 
 def run_all(engine: Engine, specs: list | None = None) -> dict[str, list[int]]:
@@ -180,3 +181,22 @@ def test_served_ngram_runs_in_target_rank0_and_equals_the_target_alone(cluster, 
         assert_drafts_verified(specs)
     finally:
         services.shutdown()
+
+
+def test_a_row_offered_no_drafts_counts_as_a_miss_for_adaptive_k(serve_models):
+    """Prompt lookup that finds nothing yields one token a step: adaptive speculation must see that
+    (a first position missed), not an idle step, or it keeps choosing k for rows that verify little."""
+    from dspark_ray.engine.adaptive import PRIOR_ACCEPTANCE
+
+    engine = build_local_engine(ngram_config(serve_models, adaptive_speculation=True, prompt_lookup_min=4))
+    req = engine.add_request([5, 6, 7, 8, 9, 10, 11, 12],
+                             SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), "nomatch")
+    engine.step()  # the prefill: nothing drafted yet
+    request = engine.requests[req]
+    steps = []
+    while engine.has_unfinished():
+        before = request.spec.draft_tokens
+        engine.step()
+        steps.append(request.spec.draft_tokens - before)
+    assert sum(steps) == 0  # no 4-token suffix of this request ever occurred before in it
+    assert request.acceptance.rate(0) < PRIOR_ACCEPTANCE - 0.1  # idle steps would leave it at the prior

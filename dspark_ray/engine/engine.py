@@ -838,6 +838,14 @@ class Engine:
                     r.acceptance.record(k, accepted)
                     if r.batch_adapted:
                         self.population.record(k, accepted)
+                elif r.req_id in drafts:
+                    # Asked for drafts, offered none (prompt lookup found no match, or the grammar
+                    # forbade the first): for what drafting yields a step, the first position missed.
+                    # (Counted as idle, a proposer that often has nothing would look as good as its
+                    # matches, and adaptive k would keep paying for steps that verify little.)
+                    r.acceptance.record(1, 0)
+                    if r.batch_adapted:
+                        self.population.record(1, 0)
                 else:
                     r.acceptance.idle()
             if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
