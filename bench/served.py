@@ -913,9 +913,9 @@ def speculative_config(app: dict, spec: str) -> dict | None:
     if spec == "none":
         return None
     if spec == "ngram":
-        cfg = app["config"]  # the YAML's own lookup lengths (AppConfig's defaults where it sets none)
+        low, high = app["prompt_lookup"]  # the YAML's own lookup lengths (AppConfig's defaults if it sets none)
         return {"method": "ngram", "num_speculative_tokens": app["k"] or 4,
-                "prompt_lookup_max": cfg.prompt_lookup_max, "prompt_lookup_min": cfg.prompt_lookup_min}
+                "prompt_lookup_max": high, "prompt_lookup_min": low}
     if not app["draft"]:
         raise SystemUnavailable("--vllm-spec draft needs a draft, and the YAML serves none; use ngram or none")
     return {"method": "draft_model", "model": app["draft"], "num_speculative_tokens": app["k"]}
@@ -992,6 +992,7 @@ def app_of(yaml_path: Path) -> dict:
     draft = str(locate(cfg.draft).resolve()) if cfg.draft and not ngram else None
     engine = cfg.engine_config()
     return {"config": cfg, "model": str(locate(cfg.model).resolve()), "draft": draft, "ngram": ngram,
+            "prompt_lookup": (cfg.prompt_lookup_min, cfg.prompt_lookup_max),
             "k": cfg.num_speculative_tokens, "name": cfg.model_name, "max_context": cfg.max_context,
             "dtype": runtime_dtype(cfg.dtype, cfg.device), "draft_dtype": draft_runtime_dtype(engine) if draft else None}
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 import torch
 
 from conftest import NO_VLLM, REPO, vllm_installed
@@ -990,7 +991,8 @@ def test_closed_loop_keeps_b_in_flight_and_sends_in_order():
 
 
 def test_vllm_command_lines_for_each_speculation():
-    app = {"model": "/m/target", "draft": "/m/draft", "k": 3, "name": "t", "dtype": "float32", "max_context": 2048}
+    app = {"model": "/m/target", "draft": "/m/draft", "k": 3, "name": "t", "dtype": "float32", "max_context": 2048,
+           "prompt_lookup": (2, 5)}
     def config(cmd):
         return json.loads(cmd[cmd.index("--speculative-config") + 1]) if "--speculative-config" in cmd else None
 
@@ -998,7 +1000,7 @@ def test_vllm_command_lines_for_each_speculation():
     assert config(none) is None and none[:3] == ["vllm", "serve", "/m/target"]
     assert none[none.index("--max-model-len") + 1] == "2048" and none[none.index("--dtype") + 1] == "float32"
     assert config(bench.vllm_server_command(["vllm"], app, "t", 9000, "ngram")) == {
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": bench.NGRAM_LOOKUP_MAX}
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     assert config(bench.vllm_server_command(["vllm"], {**app, "draft": None, "k": 0}, "t", 9000, "ngram"))[
         "num_speculative_tokens"] == 4  # the YAML speculates with none: 4
     assert config(bench.vllm_server_command(["vllm"], app, "t", 9000, "draft")) == {
@@ -1007,13 +1009,20 @@ def test_vllm_command_lines_for_each_speculation():
         bench.vllm_server_command(["vllm"], {**app, "draft": None}, "t", 9000, "draft")
 
 
-def test_vllm_spec_and_threads_bind_flags():
+def test_vllm_spec_and_threads_bind_flags(tmp_path):
     assert bench.parse([], None).vllm_spec == "none"  # deploy/dspark.yaml: SmolLM2 alone
     assert bench.parse(["--yaml", str(SHAKESPEARE)], None).vllm_spec == "draft"
     assert bench.parse(["--yaml", str(SHAKESPEARE), "--vllm-spec", "ngram"], None).vllm_spec == "ngram"
     with pytest.raises(SystemExit):
         bench.parse(["--vllm-spec", "draft"], None)  # no draft to give vLLM
     assert bench.parse(["--vllm-spec", "draft", "--systems", "dspark"], None).vllm_spec == "draft"  # no vLLM
+    ngram_yaml = tmp_path / "ngram.yaml"  # a YAML with prompt lookup: vLLM gets its own, same lengths
+    doc = yaml.safe_load(SHAKESPEARE.read_text())
+    doc["applications"][0]["args"].update(draft="ngram", prompt_lookup_min=1, prompt_lookup_max=3)
+    ngram_yaml.write_text(yaml.safe_dump(doc))
+    assert bench.parse(["--yaml", str(ngram_yaml)], None).vllm_spec == "ngram"
+    app = bench.app_of(ngram_yaml)
+    assert app["draft"] is None and app["ngram"] and app["prompt_lookup"] == (1, 3)
     assert bench.parse([], None).vllm_threads_bind == "all"
     assert bench.vllm_server_env(2, "all")["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert bench.vllm_server_env(4, "all")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
