@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dspark_ray.engine.config import NGRAM, is_ngram  # noqa: F401 - the names, where the proposer is
 from dspark_ray.engine.draft_proposer import DraftCacheBehind
 from dspark_ray.engine.interfaces import Proposal, ProposeRow
 
