@@ -124,6 +124,19 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
+def spec_counters(text: str) -> dict[str, int]:
+    """``vllm:spec_decode_*_total`` values from Prometheus text, per-position ones keyed ``per_pos:<i>``."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_"):
+            name, value = line.rsplit(" ", 1)
+            metric = name.split("{")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
+            if 'position="' in name:
+                metric = "per_pos:" + name.split('position="')[1].split('"')[0]
+            out[metric] = int(value)
+    return out
+
+
 def log_tail(path: Path, chars: int = 6000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]

@@ -39,6 +39,7 @@ from dspark_ray.serve.config import AppConfig
 from dspark_ray.openai.http import APP_HEADER, HTTPAddressInUse, ReplicaHTTP, serving_app
 from dspark_ray.serve.server import DSparkServer
 from serve_fixtures import serve_models  # noqa: F401 - fixture
+from serve_fixtures import spec_counters, wait_for
 
 PROMPT = "ROMEO:\nBut soft, what light"
 
@@ -336,3 +337,70 @@ def test_the_replica_counts_the_connections_it_closed_in_stats(server, serve_mod
     finally:
         peer.close()
     assert httpx.get(f"{url(server)}/stats", timeout=10).json()["rebalanced"] == before + 1
+
+
+def test_a_peer_reads_speculation_counters_whole_while_they_are_written():
+    """A replica publishes its counters after each step; a peer reading at the same moment sees one
+    step's counters or the next, never parts of two (the sequence number; balance.py)."""
+    board = LoadBoard(1, directory=Path(tempfile.mkdtemp()), refresh_s=0)
+    # The writer keeps the counters of 4-token drafts consistent: tokens = 4 * drafts, accepted = the sum
+    # over positions; a torn read breaks one of those.
+    code = ("import time; from pathlib import Path; from dspark_ray.openai.balance import LoadBoard\n"
+            "from dspark_ray.openai.metrics import SpecTotals\n"
+            f"b = LoadBoard(1, directory=Path({str(board.dir.parent)!r}))\n"
+            "print(b.name, flush=True)\n"
+            "for i in range(1, 10**9):\n"
+            "    per_pos = [3 * i, 2 * i, i, i // 2]\n"
+            "    b.publish_speculation(SpecTotals(i, 4 * i, sum(per_pos), per_pos))\n")
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = writer.stdout.readline().strip()
+        seen = set()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            t = board.peer_speculation()[name]
+            assert (t.draft_tokens, t.accepted_tokens) == (4 * t.drafts, sum(t.accepted_per_position)), t
+            assert t.accepted_per_position == [3 * t.drafts, 2 * t.drafts, t.drafts, t.drafts // 2]
+            seen.add(t.drafts)
+        assert len(seen) > 100  # the reads did overlap the writes
+    finally:
+        writer.kill()
+        writer.wait()
+    assert board.peer_speculation() == {}  # a dead replica's counters leave the port's sum
+    board.close()
+
+
+def test_metrics_on_a_shared_port_count_every_replica_behind_it(serve_models):
+    """Two replicas share a port; each new connection reaches either. vLLM's `bench serve` reads GET /metrics
+    once before its run and once after, so every answer must count both replicas: equal to the sums of the
+    speculation every response reported, whichever replica answered."""
+    config = {"model": str(serve_models.target), "draft": str(serve_models.draft), "capacity": 8,
+              "max_context": 256}
+    first = DSparkServer(AppConfig(**config, http_port=0), services=LocalServices.build)
+    second = None
+    try:
+        second = DSparkServer(AppConfig(**config, http_port=first.http.port), services=LocalServices.build)
+        base = url(first)
+        before = spec_counters(httpx.get(f"{base}/metrics", timeout=10).text)
+        assert before.get("num_drafts", 0) == 0
+        body = {"model": serve_models.name, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        specs = []
+        for i in range(64):  # each on a new connection, until both replicas have served (2 ** -15 to fail)
+            r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": f"{PROMPT} {i}"}, timeout=60)
+            specs.append(r.json()["speculation"])
+            if len(specs) >= 16 and all(s.loop.metrics.spec_totals().drafts for s in (first, second)):
+                break
+        assert all(s.loop.metrics.spec_totals().drafts for s in (first, second)), "one replica served all"
+        expected = {f"num_{name}": sum(s[name] for s in specs) for name in ("drafts", "draft_tokens",
+                                                                            "accepted_tokens")}
+        expected |= {f"per_pos:{pos}": sum(s["accepted_per_position"][pos] for s in specs
+                                           if pos < len(s["accepted_per_position"])) for pos in range(4)}
+        assert expected["num_drafts"] > 0
+        # The engine thread adds a step's counters just after it delivers the step's tokens.
+        wait_for(lambda: spec_counters(httpx.get(f"{base}/metrics", timeout=10).text) == expected, 10)
+        answers = [spec_counters(httpx.get(f"{base}/metrics", timeout=10).text) for _ in range(12)]
+        assert answers == [expected] * 12
+    finally:
+        for srv in (second, first):
+            if srv is not None:
+                srv.shutdown()

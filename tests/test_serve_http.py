@@ -22,6 +22,7 @@ from dspark_ray.engine.sampling_params import SamplingParams
 from dspark_ray.serve.config import AppConfig
 from dspark_ray.serve.server import DSparkServer
 from serve_fixtures import serve_models  # noqa: F401 - fixture
+from serve_fixtures import spec_counters
 
 PROMPT = "ROMEO:\nBut soft, what light"
 
@@ -142,19 +143,6 @@ def test_bad_input_is_a_400_and_takes_no_slot(server, serve_models):
     assert after.live == before.live == ()
     assert after.free == after.capacity
     assert call(server, "GET", "/health").json() == {"status": "ok"}
-
-
-def spec_counters(text: str) -> dict[str, int]:
-    """``vllm:spec_decode_*_total`` values from Prometheus text, per-position ones keyed ``per_pos:<i>``."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:spec_decode_"):
-            name, value = line.rsplit(" ", 1)
-            metric = name.split("{")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
-            if 'position="' in name:
-                metric = "per_pos:" + name.split('position="')[1].split('"')[0]
-            out[metric] = int(value)
-    return out
 
 
 def test_metrics_count_speculation_under_vllm_names(server, serve_models):

@@ -20,6 +20,17 @@ request opens a new connection, which the kernel deals afresh. Nothing is
 refused or moved, a balanced set of replicas closes nothing, and a lone
 replica never closes. The kernel drops a dead replica's lock; the next peer
 to look removes its file.
+
+The same file carries the replica's speculation counters (``publish_speculation``),
+written by its engine thread after each step that drafted, so that ``GET /metrics``
+on the shared port counts every replica behind it (``port_speculation``). Without
+that a client's two reads of ``/metrics`` (vLLM's ``bench serve`` reads one before
+and one after its run, to report acceptance length) could reach two replicas, and
+their difference meant nothing: a CI run had the client report no acceptance length
+at all. The counters are written under a sequence number (odd while a write is in
+progress) and read until two reads of it agree, so a reader never mixes two steps.
+When a replica dies its counts leave the sum: the port's counters drop, which
+Prometheus and rate() treat as a counter reset.
 """
 
 from __future__ import annotations
@@ -32,13 +43,24 @@ import os
 import secrets
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from dspark_ray.openai.metrics import SpecCounts, SpecTotals
 
 log = logging.getLogger(__name__)
 
 CLOSE = (b"connection", b"close")
-_COUNT = struct.Struct("<q")
+_COUNT = struct.Struct("<q")  # at offset 0: open requests
+# After it: the sequence number, then drafts, draft tokens, accepted tokens, the number of draft
+# positions counted and the accepted count of each (num_speculative_tokens is at most 16).
+SPEC_POSITIONS = 16
+_SEQ = struct.Struct("<q")
+_SPEC = struct.Struct(f"<qqqq{SPEC_POSITIONS}q")
+_SEQ_AT = _COUNT.size
+_SPEC_AT = _SEQ_AT + _SEQ.size
+RECORD_SIZE = _SPEC_AT + _SPEC.size
 
 
 def board_dir() -> Path:
@@ -61,13 +83,17 @@ class LoadBoard:
         tmp = self.dir / f".{self.name}.new"
         self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
-        os.ftruncate(self._fd, _COUNT.size)
-        self._mine = mmap.mmap(self._fd, _COUNT.size)
+        os.ftruncate(self._fd, RECORD_SIZE)
+        self._mine = mmap.mmap(self._fd, RECORD_SIZE)
+        self._seq = 0
         os.rename(tmp, self.dir / self.name)
         self.open = 0  # open requests here
         self.closed = 0  # responses that asked the client to reconnect (Connection: close)
         self._peers: dict[str, mmap.mmap] = {}
         self._looked = float("-inf")
+        # The peers are read from the HTTP server's thread and, for GET /metrics through Serve's proxy,
+        # from Serve's: one at a time.
+        self._peers_lock = threading.Lock()
 
     def enter(self) -> None:
         self.open += 1
@@ -81,11 +107,49 @@ class LoadBoard:
         if self._fd >= 0:  # after close (a response cut at shutdown ends late) there is no one to tell
             _COUNT.pack_into(self._mine, 0, self.open)
 
-    def peer_counts(self) -> dict[str, int]:
-        """The open-request count of every live peer (not this replica)."""
+    def publish_speculation(self, totals: SpecCounts) -> None:
+        """This replica's speculation counters since it started (one writer thread: the engine's)."""
+        per_pos = list(totals.accepted_per_position[:SPEC_POSITIONS])
+        positions = len(per_pos)
+        per_pos += [0] * (SPEC_POSITIONS - positions)
+        try:
+            self._seq += 1
+            _SEQ.pack_into(self._mine, _SEQ_AT, self._seq)  # odd: a write in progress
+            _SPEC.pack_into(self._mine, _SPEC_AT, totals.drafts, totals.draft_tokens, totals.accepted_tokens,
+                            positions, *per_pos)
+            self._seq += 1
+            _SEQ.pack_into(self._mine, _SEQ_AT, self._seq)
+        except ValueError:  # closed (the replica is stopping): there is no one to tell
+            pass
+
+    def peer_speculation(self) -> dict[str, SpecTotals]:
+        """Every live peer's speculation counters. A peer in the middle of a write is read again; one that
+        stays there (it died mid-write) or that publishes none (an older version's shorter file) is left
+        out."""
+        with self._peers_lock:
+            return self._read_speculation() if self._fd >= 0 else {}
+
+    def _read_speculation(self) -> dict[str, SpecTotals]:
         if time.monotonic() - self._looked >= self.refresh_s:
             self._look()
-        return {name: _COUNT.unpack_from(view, 0)[0] for name, view in self._peers.items()}
+        out = {}
+        for name, view in self._peers.items():
+            if len(view) < RECORD_SIZE:
+                continue
+            for _ in range(10_000):  # a replica writes once per step, in a microsecond
+                seq = _SEQ.unpack_from(view, _SEQ_AT)[0]
+                values = _SPEC.unpack_from(view, _SPEC_AT)
+                if seq % 2 == 0 and _SEQ.unpack_from(view, _SEQ_AT)[0] == seq:
+                    out[name] = SpecTotals(*values[:3], list(values[4:4 + min(values[3], SPEC_POSITIONS)]))
+                    break
+        return out
+
+    def peer_counts(self) -> dict[str, int]:
+        """The open-request count of every live peer (not this replica)."""
+        with self._peers_lock:
+            if time.monotonic() - self._looked >= self.refresh_s:
+                self._look()
+            return {name: _COUNT.unpack_from(view, 0)[0] for name, view in self._peers.items()}
 
     def crowded(self) -> bool:
         """This replica holds more than one open request more than its least loaded peer."""
@@ -114,8 +178,9 @@ class LoadBoard:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:  # its replica holds it: alive
-                    if name not in self._peers and os.fstat(fd).st_size >= _COUNT.size:
-                        self._peers[name] = mmap.mmap(fd, _COUNT.size, access=mmap.ACCESS_READ)
+                    size = os.fstat(fd).st_size
+                    if name not in self._peers and size >= _COUNT.size:
+                        self._peers[name] = mmap.mmap(fd, min(size, RECORD_SIZE), access=mmap.ACCESS_READ)
                     continue
                 self._drop(name)  # nobody holds it: its replica died
                 with contextlib.suppress(OSError):
@@ -134,9 +199,10 @@ class LoadBoard:
             return
         with contextlib.suppress(OSError):
             (self.dir / self.name).unlink()
-        for view in self._peers.values():
-            view.close()
-        self._peers.clear()
+        with self._peers_lock:
+            for view in self._peers.values():
+                view.close()
+            self._peers.clear()
         self._mine.close()
         os.close(self._fd)
         self._fd = -1

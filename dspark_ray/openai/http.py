@@ -224,11 +224,13 @@ class ReplicaHTTP:
         self._sock = shared_socket(host, port, app_name)
         self.port = self._sock.getsockname()[1]  # the port asked for, or the one given for 0
         try:
-            self.board = LoadBoard(self.port) if balance else None
+            # The replicas sharing the port publish their speculation counters here (GET /metrics counts
+            # the port), and with ``balance`` their open requests too.
+            self.board = LoadBoard(self.port)
         except OSError:
             self._sock.close()
             raise
-        asgi = balanced(app, self.board, GENERATION_ROUTES) if self.board is not None else app
+        asgi = balanced(app, self.board, GENERATION_ROUTES) if balance else app
         asgi = lingering(metrics.wrap(asgi) if metrics is not None else asgi)
         self._server = uvicorn.Server(uvicorn.Config(
             asgi, log_config=None, access_log=False, lifespan="off", http="auto", ws="none",
@@ -275,5 +277,4 @@ class ReplicaHTTP:
             except OSError:
                 pass
         finally:
-            if self.board is not None:
-                self.board.close()
+            self.board.close()

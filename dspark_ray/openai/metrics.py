@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ray.util.metrics import Counter, Histogram
@@ -27,13 +29,40 @@ class SpecCounts(Protocol):
     accepted_per_position: list[int]  # drafts accepted at least up to each position
 
 
+@dataclass
+class SpecTotals:
+    """Speculation counters (``SpecCounts``) of several replicas added up."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+def add_counts(counts: Iterable[SpecCounts]) -> SpecTotals:
+    """The sum of some replicas' speculation counters (per position, over the longest list)."""
+    total = SpecTotals()
+    for c in counts:
+        total.drafts += c.drafts
+        total.draft_tokens += c.draft_tokens
+        total.accepted_tokens += c.accepted_tokens
+        for pos, n in enumerate(c.accepted_per_position):
+            if pos == len(total.accepted_per_position):
+                total.accepted_per_position.append(0)
+            total.accepted_per_position[pos] += n
+    return total
+
+
 def vllm_spec_decode_text(totals: SpecCounts, model: str) -> str:
     """Speculation counters in Prometheus text format under vLLM's names (``vllm:spec_decode_*``).
 
     Served on the API port at ``GET /metrics`` so that tools written for
     vLLM's OpenAI server (its ``vllm bench serve`` reports acceptance length
-    from these) read dspark_ray's speculation too. They count one replica;
-    for the whole application use Ray's exported ``ray_dspark_*`` metrics.
+    from these) read dspark_ray's speculation too. A replica serving HTTP
+    itself counts every replica sharing its port on the machine
+    (``balance.LoadBoard``), whichever of them answers; through Serve's proxy,
+    the replica that answered. For the whole application, across machines,
+    use Ray's exported ``ray_dspark_*`` metrics.
     """
     label = 'model_name="' + model.replace("\\", "\\\\").replace('"', '\\"') + '"'
     lines = []

@@ -42,7 +42,7 @@ from dspark_ray.openai.choices import (
 )
 from dspark_ray.openai.errors import APIError, api_error, generation_error, validation_error
 from dspark_ray.openai.http import APP_HEADER
-from dspark_ray.openai.metrics import vllm_spec_decode_text
+from dspark_ray.openai.metrics import SpecCounts, vllm_spec_decode_text
 from dspark_ray.openai.protocol import ChatCompletionRequest, CompletionRequest, Speculation, Usage, new_id, now
 from dspark_ray.openai.reasoning import make_reasoning_parser
 from dspark_ray.openai.responses import ChatView, CompletionView, ToolMode
@@ -89,6 +89,10 @@ class Replica(Protocol):
 
     async def drain(self, draining: bool = True) -> dict:
         """Turn the application's drain switch on or off; returns ``drain_status()``."""
+        ...
+
+    def port_speculation(self) -> SpecCounts:
+        """Speculation counters of this replica and of the replicas sharing its HTTP port (``GET /metrics``)."""
         ...
 
     def drain_status(self) -> dict:
@@ -253,12 +257,13 @@ class OpenAIRoutes:
         return JSONResponse(await self.replica.stats())
 
     async def metrics_route(self, request: Request) -> Response:
-        """``GET /metrics``: this replica's speculation counters under vLLM's names (Prometheus text)."""
+        """``GET /metrics``: speculation counters under vLLM's names (Prometheus text), of every replica
+        sharing the port this request came in on (``vllm_spec_decode_text``)."""
         try:
             self._authorize(request)
         except APIError as err:
             return err.response()
-        text = vllm_spec_decode_text(self.loop.metrics.spec_totals(), self.config.model_name)
+        text = vllm_spec_decode_text(self.replica.port_speculation(), self.config.model_name)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     # -- helpers -----------------------------------------------------------------

@@ -40,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,9 @@ class ServingMetrics:
         self.model = model
         self._spec_lock = threading.Lock()
         self._spec_totals = SpecDelta()  # this replica's speculation counters since start (GET /metrics)
+        # Called on the engine thread with the new totals after each step that drafted: the replica's HTTP
+        # server publishes them to the replicas sharing its port (dspark_ray/openai/balance.py).
+        self.spec_sink: Callable[[SpecDelta], None] | None = None
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._recorder = threading.Thread(target=self._record_forever, name="dspark-metrics", daemon=True)
         keys = ("model", "replica")
@@ -349,6 +353,8 @@ class ServingMetrics:
                 if pos >= len(t.accepted_per_position):
                     t.accepted_per_position.append(0)
                 t.accepted_per_position[pos] += n
+        if self.spec_sink is not None and d.drafts:
+            self.spec_sink(self.spec_totals())
 
     def spec_totals(self) -> SpecDelta:
         """A copy of this replica's speculation counters since start."""

@@ -33,7 +33,7 @@ from dspark_ray.engine import Engine, InvalidRequest, RequestOutput
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
 from dspark_ray.openai.choices import Choice, ChoiceStreams, check_fan_out, fan_out, request_deadline
 from dspark_ray.openai.http import ReplicaHTTP
-from dspark_ray.openai.metrics import HTTPMetrics
+from dspark_ray.openai.metrics import HTTPMetrics, SpecCounts, add_counts
 from dspark_ray.openai.protocol import Speculation, Usage, new_id
 from dspark_ray.openai.routes import OpenAIRoutes
 from dspark_ray.runtime.actors import ray_services
@@ -97,6 +97,7 @@ class DSparkServer:
             self.http = ReplicaHTTP(self.build_api(), cfg.http_host, cfg.http_port,
                                     HTTPMetrics(cfg.model_name, replica), app_name=app_name,
                                     balance=cfg.balance_connections)
+            self.loop.metrics.spec_sink = self.http.board.publish_speculation
         self._bind_to_worker()
         log.info("dspark replica %s ready: tp=%d, k=%d", replica, cfg.tensor_parallel_size, engine_config.spec_tokens)
 
@@ -171,6 +172,14 @@ class DSparkServer:
         """``draining`` as this replica last heard it; the requests it still holds."""
         return {"draining": self.loop.engine.app_draining, "requests_in_flight": len(self.loop.engine.requests)}
 
+    def port_speculation(self) -> SpecCounts:
+        """This replica's speculation counters, plus those of the replicas sharing its HTTP port on this
+        machine (a client's next connection may reach any of them; openai/balance.py)."""
+        own, http = self.loop.metrics.spec_totals(), self.http
+        if http is None:
+            return own
+        return add_counts([own, *http.board.peer_speculation().values()])
+
     # -- handle API ------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
@@ -221,7 +230,7 @@ class DSparkServer:
         return {
             "replica": self.replica,  # each replica answers for itself (a new connection reaches any one)
             # Responses that asked the client to reconnect, to even out the replicas (openai/balance.py).
-            "rebalanced": 0 if self.http is None or self.http.board is None else self.http.board.closed,
+            "rebalanced": 0 if self.http is None else self.http.board.closed,
             "running": len(engine.scheduler.running),
             "waiting": self.loop.num_waiting(),
             "kv_capacity": engine.target.kv_capacity(),
