@@ -230,6 +230,19 @@ def test_each_row_is_its_own_whatever_the_batch(qtype, int8):
 
 
 @needs_c
+def test_rows_of_a_long_k_are_their_own_and_agree_with_the_reference():
+    """K = 4352: on AVX2 the decoded rows of a batch of more than 4 (the wide tiles) no longer fit the
+    stack and go to the heap; the results stay each row's own and the reference's."""
+    w = weight(quant.Q4_1, 19, 4352, seed=5)
+    gemm = quant.QuantGemm(w)
+    x = torch.randn(7, 4352, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(gemm(x), alone)
+    torch.testing.assert_close(gemm(x), x.double().matmul(w.dequantize().double().T).float(),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_c
 def test_c_kernel_takes_bias_and_leading_dims_and_refuses_bad_input():
     w = weight(quant.Q4_1, 20, 64)
     g = torch.Generator().manual_seed(4)

@@ -162,6 +162,12 @@ def keep_blocks(model: nn.Module, tensors: dict, device: torch.device, dtype: to
     return kept
 
 
+def _int8_native() -> bool:
+    from dspark_kernels import quant
+
+    return quant.int8_native()
+
+
 def attach_gemms(model: nn.Module, int8: bool = False) -> None:
     """After loading and fusing: a ``BlockGemm`` for every linear (and fused projection) holding blocks,
     and the LM head's (its own blocks, or a tied embedding's). ``int8``: their activations rounded to
@@ -169,6 +175,9 @@ def attach_gemms(model: nn.Module, int8: bool = False) -> None:
     from dspark_ray.model.layers import FusedLinears
     from dspark_ray.model.llama import CausalLM
 
+    if int8 and next(model.buffers()).device.type == "cpu" and not _int8_native():
+        log.warning("quantization: int8 runs a portable scalar loop on this CPU (it has no AVX512-VNNI), "
+                    "several times slower than the float path that quantization: auto takes")
     for module in model.modules():
         owners = [module] if isinstance(module, nn.Linear) else []
         owners += [value for value in vars(module).values() if isinstance(value, FusedLinears)]

@@ -17,9 +17,10 @@
  * into two 16-lane accumulators per (row of x, output), low and high 16 weights, group after group
  * along K; then the two added and their 16 lanes summed in a fixed tree (hsum). That sequence is the
  * same whatever M is, so a row's result does not depend on the batch beside it (the engine's batch
- * invariance). Decoding each group again for every pass of ROWS rows measured faster, at every M
- * from 5 to 32, than decoding a panel once into a float32 buffer and reading it back (loads, not
- * multiply-adds, bound that loop), so there is no such buffer.
+ * invariance). With AVX-512, decoding each group again for every pass of ROWS rows measured faster,
+ * at every M from 5 to 32, than decoding a panel once into a float32 buffer and reading it back
+ * (loads, not multiply-adds, bound that loop). With AVX2 decoding costs more, and above ROWS rows the
+ * wide tiles decode a few output rows once into such a buffer (the same sums in the same order).
  *
  * Int8 path (dspark_quant_gemm_q8act, Q4_0 / Q4_1 / Q8_0 with AVX512-VNNI): each 32-block of a row
  * of x is rounded to int8 with its own scale, as llama.cpp does (its Q8_0 / Q8_1 activations); the
@@ -414,6 +415,59 @@ static inline float finish8(const __m256 a[4]) {
 /* (x, K, blocks, row_bytes, output rows, y, ldy) */
 typedef void (*StreamTile)(const float *, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
 
+#if defined(QG_AVX2)
+/* Wide tiles (AVX2, more than ROWS rows of x): WIDE_PANEL output rows decoded once into float32
+ * (decode_T: the decoders' own floats, stored), then every pass of WIDE_ROWS rows of x multiplies them
+ * from L1. The same accumulators and the same multiply-adds in the same order as the streaming tiles,
+ * so a row's result is the same bits either way (batch invariance). On AVX2 decoding a group costs
+ * about as much as multiplying it into four rows, so decoding it again for every pass of rows, as the
+ * streaming tiles do, loses once M passes ROWS (the AVX-512 decoders are cheap enough that it did not).
+ * WIDE_ROWS 3: twelve accumulators and four weight vectors fill the sixteen ymm registers (four rows
+ * would spill). */
+#define WIDE_PANEL 8
+#define WIDE_ROWS 3
+
+typedef void (*DecodeRows)(const uint8_t *, int64_t, int64_t, int64_t, float *);
+#define DECODE_ROWS(T, DECODE)                                                                                \
+    static void decode_##T(const uint8_t *w, int64_t row_bytes, int64_t count, int64_t K, float *out) {     \
+        for (int64_t n = 0; n < count; ++n)                                                                   \
+            for (int64_t g = 0; g < K / 32; ++g) {                                                            \
+                __m256 wv[4];                                                                                 \
+                DECODE##_8(w + n * row_bytes, g, wv);                                                         \
+                for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + n * K + 32 * g + 8 * i, wv[i]);           \
+            }                                                                                                 \
+    }
+DECODE_ROWS(q8_0, dec_q8_0)
+DECODE_ROWS(q4_0, dec_q4_0)
+DECODE_ROWS(q4_1, dec_q4_1)
+DECODE_ROWS(q4_k, dec_q4_k)
+DECODE_ROWS(q6_k, dec_q6_k)
+
+/* (x, K, decoded rows [count][K], output rows, y, ldy) */
+typedef void (*WideTile)(const float *, int64_t, const float *, int64_t, float *, int64_t);
+#define WIDE_TILE(NAME, R)                                                                                    \
+    static void NAME(const float *x, int64_t K, const float *wf, int64_t count, float *y, int64_t ldy) {     \
+        for (int64_t n = 0; n < count; ++n) {                                                                 \
+            const float *row = wf + n * K;                                                                    \
+            __m256 acc[R][4];                                                                                 \
+            for (int r = 0; r < R; ++r)                                                                       \
+                for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();                                  \
+            for (int64_t g = 0; g < K / 32; ++g) {                                                            \
+                __m256 wv[4];                                                                                 \
+                for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_ps(row + 32 * g + 8 * i);                    \
+                for (int r = 0; r < R; ++r)                                                                   \
+                    for (int i = 0; i < 4; ++i)                                                               \
+                        acc[r][i] = MADD8(wv[i], _mm256_loadu_ps(x + r * K + 32 * g + 8 * i), acc[r][i]);     \
+            }                                                                                                 \
+            for (int r = 0; r < R; ++r) y[r * ldy + n] = finish8(acc[r]);                                     \
+        }                                                                                                     \
+    }
+WIDE_TILE(wide_1, 1)
+WIDE_TILE(wide_2, 2)
+WIDE_TILE(wide_3, 3)
+static const WideTile wide_tiles[WIDE_ROWS + 1] = {0, wide_1, wide_2, wide_3};
+#endif
+
 #define STREAM_TILES(T, DECODE)                                                                               \
     STREAM_TILE(stream_##T##_1, DECODE, 1)                                                                    \
     STREAM_TILE(stream_##T##_2, DECODE, 2)                                                                    \
@@ -427,14 +481,24 @@ STREAM_TILES(q4_1, dec_q4_1)
 STREAM_TILES(q4_k, dec_q4_k)
 STREAM_TILES(q6_k, dec_q6_k)
 
-/* The streaming tiles of a type, and its block: weights and bytes. 0 if the type is not taken. */
-static int type_info(int qtype, const StreamTile **stream, int64_t *block, int64_t *bytes) {
+#if !defined(QG_AVX2)
+typedef void (*DecodeRows)(void);
+#define decode_q8_0 NULL
+#define decode_q4_0 NULL
+#define decode_q4_1 NULL
+#define decode_q4_k NULL
+#define decode_q6_k NULL
+#endif
+
+/* The streaming tiles of a type, its row decoder (NULL: no wide tiles here), and its block: weights
+ * and bytes. 0 if the type is not taken. */
+static int type_info(int qtype, const StreamTile **stream, DecodeRows *decode, int64_t *block, int64_t *bytes) {
     switch (qtype) {
-    case Q8_0: *stream = stream_q8_0, *block = 32, *bytes = 34; return 1;
-    case Q4_0: *stream = stream_q4_0, *block = 32, *bytes = 18; return 1;
-    case Q4_1: *stream = stream_q4_1, *block = 32, *bytes = 20; return 1;
-    case Q4_K: *stream = stream_q4_k, *block = 256, *bytes = 144; return 1;
-    case Q6_K: *stream = stream_q6_k, *block = 256, *bytes = 210; return 1;
+    case Q8_0: *stream = stream_q8_0, *decode = decode_q8_0, *block = 32, *bytes = 34; return 1;
+    case Q4_0: *stream = stream_q4_0, *decode = decode_q4_0, *block = 32, *bytes = 18; return 1;
+    case Q4_1: *stream = stream_q4_1, *decode = decode_q4_1, *block = 32, *bytes = 20; return 1;
+    case Q4_K: *stream = stream_q4_k, *decode = decode_q4_k, *block = 256, *bytes = 144; return 1;
+    case Q6_K: *stream = stream_q6_k, *decode = decode_q6_k, *block = 256, *bytes = 210; return 1;
     default: return 0;
     }
 }
@@ -762,12 +826,50 @@ typedef struct {
     int64_t M, K, N, row_bytes;
     const uint8_t *w;
     const StreamTile *stream;
+    DecodeRows decode;
     float *y;
 } F32Call;
 
-/* Output rows n0..n1 (panels of PANEL, each swept by passes of ROWS rows of x), bias added. */
+#if defined(QG_AVX2)
+/* Decoded rows of up to this many bytes sit on the stack (WIDE_PANEL rows of K = 4096). */
+#define STACK_WIDE 65536
+
+/* f32_rows with wide tiles: WIDE_PANEL output rows decoded at a time, then all of x over them. */
+static void f32_wide_rows(const F32Call *c, int64_t n0, int64_t n1) {
+    const size_t bytes = (size_t)(WIDE_PANEL * c->K) * sizeof(float);
+    float stack[bytes <= STACK_WIDE ? WIDE_PANEL * c->K : 1];
+    float *wf = bytes <= STACK_WIDE ? stack : malloc(bytes);
+    if (wf == NULL) { /* no memory for the decoded rows: the streaming tiles need none */
+        for (int64_t m0 = 0; m0 < c->M; m0 += ROWS) {
+            const int rows = c->M - m0 < ROWS ? (int)(c->M - m0) : ROWS;
+            c->stream[rows](c->x + m0 * c->K, c->K, c->w + n0 * c->row_bytes, c->row_bytes, n1 - n0,
+                            c->y + m0 * c->N + n0, c->N);
+        }
+        return;
+    }
+    for (int64_t p = n0; p < n1; p += WIDE_PANEL) {
+        const int64_t width = n1 - p < WIDE_PANEL ? n1 - p : WIDE_PANEL;
+        c->decode(c->w + p * c->row_bytes, c->row_bytes, width, c->K, wf);
+        for (int64_t m0 = 0; m0 < c->M; m0 += WIDE_ROWS) {
+            const int rows = c->M - m0 < WIDE_ROWS ? (int)(c->M - m0) : WIDE_ROWS;
+            wide_tiles[rows](c->x + m0 * c->K, c->K, wf, width, c->y + m0 * c->N + p, c->N);
+        }
+    }
+    if (wf != stack) free(wf);
+}
+#endif
+
+/* Output rows n0..n1 (panels of PANEL, each swept by passes of ROWS rows of x; on AVX2 with more
+ * than ROWS rows, the wide tiles), bias added. */
 static void f32_rows(const void *args, int64_t n0, int64_t n1) {
     const F32Call *c = args;
+#if defined(QG_AVX2)
+    if (c->M > ROWS && c->decode != NULL) {
+        f32_wide_rows(c, n0, n1);
+        add_bias(c->y, c->M, c->N, n0, n1, c->bias);
+        return;
+    }
+#endif
     for (int64_t p = n0; p < n1; p += PANEL) {
         const int64_t width = n1 - p < PANEL ? n1 - p : PANEL;
         for (int64_t m0 = 0; m0 < c->M; m0 += ROWS) {
@@ -783,9 +885,9 @@ static void f32_rows(const void *args, int64_t n0, int64_t n1) {
  * Returns 0, or -1 for a type it does not take, -2 for a K or row_bytes that does not fit it. */
 int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                           int qtype, const float *bias, float *y) {
-    F32Call c = {x, bias, M, K, N, row_bytes, w, NULL, y};
+    F32Call c = {x, bias, M, K, N, row_bytes, w, NULL, NULL, y};
     int64_t block, bytes;
-    if (!type_info(qtype, &c.stream, &block, &bytes)) return -1;
+    if (!type_info(qtype, &c.stream, &c.decode, &block, &bytes)) return -1;
     if (K % block != 0 || row_bytes != K / block * bytes) return -2;
     run_rows(f32_rows, &c, N, N * row_bytes * ((M + ROWS - 1) / ROWS));
     return 0;
