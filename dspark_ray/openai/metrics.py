@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from ray.util.metrics import Counter, Histogram
+
+from dspark_ray.runtime.metrics import SpecDelta
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +30,9 @@ class SpecCounts(Protocol):
     accepted_per_position: list[int]  # drafts accepted at least up to each position
 
 
-@dataclass
-class SpecTotals:
-    """Speculation counters (``SpecCounts``) of several replicas added up."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-
-def add_counts(counts: Iterable[SpecCounts]) -> SpecTotals:
+def add_counts(counts: Iterable[SpecCounts]) -> SpecDelta:
     """The sum of some replicas' speculation counters (per position, over the longest list)."""
-    total = SpecTotals()
+    total = SpecDelta()
     for c in counts:
         total.drafts += c.drafts
         total.draft_tokens += c.draft_tokens
