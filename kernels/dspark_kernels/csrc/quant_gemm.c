@@ -372,23 +372,27 @@ static inline float finish8(const __m256 a[4]) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+/* One output row n of R rows of x, its group g's weights put in wv[4] by WEIGHTS: the multiply-adds
+ * the streaming and the wide tiles share (the same order, so both give the same bits). */
+#define TILE_ROW(R, WEIGHTS)                                                                                  \
+    {                                                                                                         \
+        __m256 acc[R][4];                                                                                     \
+        for (int r = 0; r < R; ++r)                                                                           \
+            for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();                                      \
+        for (int64_t g = 0; g < K / 32; ++g) {                                                                \
+            __m256 wv[4];                                                                                     \
+            WEIGHTS;                                                                                          \
+            for (int r = 0; r < R; ++r)                                                                       \
+                for (int i = 0; i < 4; ++i)                                                                   \
+                    acc[r][i] = MADD8(wv[i], _mm256_loadu_ps(x + r * K + 32 * g + 8 * i), acc[r][i]);         \
+        }                                                                                                     \
+        for (int r = 0; r < R; ++r) y[r * ldy + n] = finish8(acc[r]);                                         \
+    }
+
 #define STREAM_TILE(NAME, DECODE, R)                                                                          \
     static void NAME(const float *x, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t count, float *y, \
                      int64_t ldy) {                                                                           \
-        for (int64_t n = 0; n < count; ++n) {                                                                 \
-            const uint8_t *row = w + n * row_bytes;                                                           \
-            __m256 acc[R][4];                                                                                 \
-            for (int r = 0; r < R; ++r)                                                                       \
-                for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();                                  \
-            for (int64_t g = 0; g < K / 32; ++g) {                                                            \
-                __m256 wv[4];                                                                                 \
-                DECODE##_8(row, g, wv);                                                                       \
-                for (int r = 0; r < R; ++r)                                                                   \
-                    for (int i = 0; i < 4; ++i)                                                               \
-                        acc[r][i] = MADD8(wv[i], _mm256_loadu_ps(x + r * K + 32 * g + 8 * i), acc[r][i]);     \
-            }                                                                                                 \
-            for (int r = 0; r < R; ++r) y[r * ldy + n] = finish8(acc[r]);                                     \
-        }                                                                                                     \
+        for (int64_t n = 0; n < count; ++n) TILE_ROW(R, DECODE##_8(w + n * row_bytes, g, wv))                \
     }
 #else
 #define STREAM_TILE(NAME, DECODE, R)                                                                          \
@@ -447,20 +451,8 @@ DECODE_ROWS(q6_k, dec_q6_k)
 typedef void (*WideTile)(const float *, int64_t, const float *, int64_t, float *, int64_t);
 #define WIDE_TILE(NAME, R)                                                                                    \
     static void NAME(const float *x, int64_t K, const float *wf, int64_t count, float *y, int64_t ldy) {     \
-        for (int64_t n = 0; n < count; ++n) {                                                                 \
-            const float *row = wf + n * K;                                                                    \
-            __m256 acc[R][4];                                                                                 \
-            for (int r = 0; r < R; ++r)                                                                       \
-                for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();                                  \
-            for (int64_t g = 0; g < K / 32; ++g) {                                                            \
-                __m256 wv[4];                                                                                 \
-                for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_ps(row + 32 * g + 8 * i);                    \
-                for (int r = 0; r < R; ++r)                                                                   \
-                    for (int i = 0; i < 4; ++i)                                                               \
-                        acc[r][i] = MADD8(wv[i], _mm256_loadu_ps(x + r * K + 32 * g + 8 * i), acc[r][i]);     \
-            }                                                                                                 \
-            for (int r = 0; r < R; ++r) y[r * ldy + n] = finish8(acc[r]);                                     \
-        }                                                                                                     \
+        for (int64_t n = 0; n < count; ++n)                                                                   \
+            TILE_ROW(R, for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_ps(wf + n * K + 32 * g + 8 * i))     \
     }
 WIDE_TILE(wide_1, 1)
 WIDE_TILE(wide_2, 2)
