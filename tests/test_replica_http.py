@@ -346,12 +346,12 @@ def test_a_peer_reads_speculation_counters_whole_while_they_are_written():
     # The writer keeps the counters of 4-token drafts consistent: tokens = 4 * drafts, accepted = the sum
     # over positions; a torn read breaks one of those.
     code = ("import time; from pathlib import Path; from dspark_ray.openai.balance import LoadBoard\n"
-            "from dspark_ray.runtime.metrics import SpecDelta\n"
+            "from dspark_ray.engine.outputs import SpecCounts\n"
             f"b = LoadBoard(1, directory=Path({str(board.dir.parent)!r}))\n"
             "print(b.name, flush=True)\n"
             "for i in range(1, 10**9):\n"
             "    per_pos = [3 * i, 2 * i, i, i // 2]\n"
-            "    b.publish_speculation(SpecDelta(i, 4 * i, sum(per_pos), per_pos))\n")
+            "    b.publish_speculation(SpecCounts(i, 4 * i, sum(per_pos), per_pos))\n")
     writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         name = writer.stdout.readline().strip()

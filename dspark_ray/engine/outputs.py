@@ -2,7 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class _Counters(Protocol):
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: Sequence[int]
+
+
+@dataclass
+class SpecCounts:
+    """Speculation counters in vLLM's meanings, summed over steps, requests or replicas.
+
+    drafts: verification steps that carried draft tokens; draft tokens: tokens
+    proposed; accepted tokens: of those, accepted; accepted per position ``i``:
+    drafts whose first ``i + 1`` tokens were all accepted.
+    """
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, other: _Counters, sign: int = 1) -> None:
+        """Adds ``other``'s counters (``sign`` -1: takes them away), position by position."""
+        self.drafts += sign * other.drafts
+        self.draft_tokens += sign * other.draft_tokens
+        self.accepted_tokens += sign * other.accepted_tokens
+        for pos, n in enumerate(other.accepted_per_position):
+            if pos == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[pos] += sign * n
+
+    def copy(self) -> SpecCounts:
+        return SpecCounts(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_position))
 
 
 @dataclass(frozen=True)

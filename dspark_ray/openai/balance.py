@@ -47,8 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from dspark_ray.openai.metrics import SpecCounts
-from dspark_ray.runtime.metrics import SpecDelta
+from dspark_ray.engine.outputs import SpecCounts
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +122,14 @@ class LoadBoard:
         except ValueError:  # closed (the replica is stopping): there is no one to tell
             pass
 
-    def peer_speculation(self) -> dict[str, SpecDelta]:
+    def peer_speculation(self) -> dict[str, SpecCounts]:
         """Every live peer's speculation counters. A peer in the middle of a write is read again; one that
         stays there (it died mid-write) or that publishes none (an older version's shorter file) is left
         out."""
         with self._peers_lock:
             return self._read_speculation() if self._fd >= 0 else {}
 
-    def _read_speculation(self) -> dict[str, SpecDelta]:
+    def _read_speculation(self) -> dict[str, SpecCounts]:
         if time.monotonic() - self._looked >= self.refresh_s:
             self._look()
         out = {}
@@ -141,7 +140,7 @@ class LoadBoard:
                 seq = _SEQ.unpack_from(view, _SEQ_AT)[0]
                 values = _SPEC.unpack_from(view, _SPEC_AT)
                 if seq % 2 == 0 and _SEQ.unpack_from(view, _SEQ_AT)[0] == seq:
-                    out[name] = SpecDelta(*values[:3], list(values[4:4 + min(values[3], SPEC_POSITIONS)]))
+                    out[name] = SpecCounts(*values[:3], list(values[4:4 + min(values[3], SPEC_POSITIONS)]))
                     break
         return out
 

@@ -12,35 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Protocol
 
 from ray.util.metrics import Counter, Histogram
 
-from dspark_ray.runtime.metrics import SpecDelta
+from dspark_ray.engine.outputs import SpecCounts
 
 log = logging.getLogger(__name__)
 
 
-class SpecCounts(Protocol):
-    """Speculation counters in vLLM's meanings (the engine loop's ``metrics.spec_totals()``)."""
-
-    drafts: int  # verification steps that carried drafts
-    draft_tokens: int  # draft tokens proposed
-    accepted_tokens: int  # of those, accepted
-    accepted_per_position: list[int]  # drafts accepted at least up to each position
-
-
-def add_counts(counts: Iterable[SpecCounts]) -> SpecDelta:
+def add_counts(counts: Iterable[SpecCounts]) -> SpecCounts:
     """The sum of some replicas' speculation counters (per position, over the longest list)."""
-    total = SpecDelta()
+    total = SpecCounts()
     for c in counts:
-        total.drafts += c.drafts
-        total.draft_tokens += c.draft_tokens
-        total.accepted_tokens += c.accepted_tokens
-        for pos, n in enumerate(c.accepted_per_position):
-            if pos == len(total.accepted_per_position):
-                total.accepted_per_position.append(0)
-            total.accepted_per_position[pos] += n
+        total.add(c)
     return total
 
 

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from dspark_ray.engine import InvalidRequest, SamplingParams
+from dspark_ray.engine.outputs import SpecCounts
 from dspark_ray.openai.choices import (
     Choice,
     ChoiceStreams,
@@ -42,7 +43,7 @@ from dspark_ray.openai.choices import (
 )
 from dspark_ray.openai.errors import APIError, api_error, generation_error, validation_error
 from dspark_ray.openai.http import APP_HEADER
-from dspark_ray.openai.metrics import SpecCounts, vllm_spec_decode_text
+from dspark_ray.openai.metrics import vllm_spec_decode_text
 from dspark_ray.openai.protocol import ChatCompletionRequest, CompletionRequest, Speculation, Usage, new_id, now
 from dspark_ray.openai.reasoning import make_reasoning_parser
 from dspark_ray.openai.responses import ChatView, CompletionView, ToolMode

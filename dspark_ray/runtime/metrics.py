@@ -47,6 +47,8 @@ from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from dspark_ray.engine.outputs import SpecCounts
+
 log = logging.getLogger(__name__)
 
 PHASES = ("schedule", "propose", "verify", "commit")
@@ -73,26 +75,6 @@ TARGET_COUNTERS = {
     "context_relayed": "DSpark draft: positions of the target's context states relayed through the replica "
                        "(context_path: replica, or while target rank 0's direct link to the draft worker is down).",
 }
-
-
-@dataclass
-class SpecDelta:
-    """Speculation counters added by one step (vLLM's meanings, see the module docstring)."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, now: _SpecSnapshot, before: _SpecSnapshot) -> None:
-        self.drafts += now.drafts - before.drafts
-        self.draft_tokens += now.draft_tokens - before.draft_tokens
-        self.accepted_tokens += now.accepted_tokens - before.accepted_tokens
-        for i, count in enumerate(now.accepted_per_position):
-            if i >= len(self.accepted_per_position):
-                self.accepted_per_position.append(0)
-            old = before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0
-            self.accepted_per_position[i] += count - old
 
 
 @dataclass(frozen=True)
@@ -128,7 +110,7 @@ class StepReport:
     draft_failures: int = 0
     prefilling: int = 0  # running requests whose prompt (or recompute) is not fed yet
     counts: dict[str, int] = field(default_factory=dict)  # ENGINE_COUNTERS and TARGET_COUNTERS added by this pass
-    spec: SpecDelta = field(default_factory=SpecDelta)
+    spec: SpecCounts = field(default_factory=SpecCounts)  # what the step added
     spec_k: int | None = None  # the k adaptive speculation chose for this step (None: no step, or fixed k)
 
 
@@ -206,7 +188,8 @@ class StepObserver:
         stats = out.spec if out.finished else getattr(self.engine.requests.get(out.req_id), "spec", None)
         if stats is not None:
             snapshot = _SpecSnapshot.of(stats)
-            report.spec.add(snapshot, tracked.spec)
+            report.spec.add(snapshot)
+            report.spec.add(tracked.spec, -1)
             tracked.spec = snapshot
         if out.finished:
             report.finished.append(out.finish_reason or "unknown")
@@ -232,10 +215,10 @@ class ServingMetrics:
         self._failures: set[str] = set()
         self.model = model
         self._spec_lock = threading.Lock()
-        self._spec_totals = SpecDelta()  # this replica's speculation counters since start (GET /metrics)
+        self._spec_totals = SpecCounts()  # this replica's speculation counters since start (GET /metrics)
         # Called on the engine thread with the new totals after each step that drafted: the replica's HTTP
         # server publishes them to the replicas sharing its port (dspark_ray/openai/balance.py).
-        self.spec_sink: Callable[[SpecDelta], None] | None = None
+        self.spec_sink: Callable[[SpecCounts], None] | None = None
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._recorder = threading.Thread(target=self._record_forever, name="dspark-metrics", daemon=True)
         keys = ("model", "replica")
@@ -343,24 +326,16 @@ class ServingMetrics:
             if n > 0:
                 self.accepted_per_pos.inc(n, tags={"position": str(pos)})
 
-    def _add_spec_totals(self, d: SpecDelta) -> None:
+    def _add_spec_totals(self, d: SpecCounts) -> None:
         with self._spec_lock:
-            t = self._spec_totals
-            t.drafts += d.drafts
-            t.draft_tokens += d.draft_tokens
-            t.accepted_tokens += d.accepted_tokens
-            for pos, n in enumerate(d.accepted_per_position):
-                if pos >= len(t.accepted_per_position):
-                    t.accepted_per_position.append(0)
-                t.accepted_per_position[pos] += n
+            self._spec_totals.add(d)
         if self.spec_sink is not None and d.drafts:
             self.spec_sink(self.spec_totals())
 
-    def spec_totals(self) -> SpecDelta:
+    def spec_totals(self) -> SpecCounts:
         """A copy of this replica's speculation counters since start."""
         with self._spec_lock:
-            t = self._spec_totals
-            return SpecDelta(t.drafts, t.draft_tokens, t.accepted_tokens, list(t.accepted_per_position))
+            return self._spec_totals.copy()
 
     def _guard(self, what: str, fn, *args) -> None:
         try:

@@ -31,9 +31,10 @@ from ray import serve
 
 from dspark_ray.engine import Engine, InvalidRequest, RequestOutput
 from dspark_ray.engine.interfaces import DraftService, SlotService, TargetService
+from dspark_ray.engine.outputs import SpecCounts
 from dspark_ray.openai.choices import Choice, ChoiceStreams, check_fan_out, fan_out, request_deadline
 from dspark_ray.openai.http import ReplicaHTTP
-from dspark_ray.openai.metrics import HTTPMetrics, SpecCounts, add_counts
+from dspark_ray.openai.metrics import HTTPMetrics, add_counts
 from dspark_ray.openai.protocol import Speculation, Usage, new_id
 from dspark_ray.openai.routes import OpenAIRoutes
 from dspark_ray.runtime.actors import ray_services
