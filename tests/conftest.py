@@ -133,3 +133,40 @@ def make_checkpoint(tmp_path):
         return folder, save_tiny_checkpoint(folder, architecture, **kwargs)
 
     return make
+
+
+# -- the shared `serve run` (serve_fixtures.served) ---------------------------------------------------
+
+
+def _sharing_modules(items: list[pytest.Item]) -> set[str]:
+    import serve_fixtures
+
+    return {item.nodeid.split("::")[0] for item in items if serve_fixtures.uses_shared_serve(item)}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules that share ``served`` one after another (where the first of them stood, each
+    module's tests in their own order), so that one `serve run` serves them all."""
+    sharing = _sharing_modules(items)
+    config.stash[_SHARING] = sharing
+    if len(sharing) < 2:
+        return
+    group = [item for item in items if item.nodeid.split("::")[0] in sharing]
+    first = next(i for i, item in enumerate(items) if item.nodeid.split("::")[0] in sharing)
+    rest = [item for item in items if item.nodeid.split("::")[0] not in sharing]
+    items[:] = rest[:first] + group + rest[first:]
+
+
+_SHARING = pytest.StashKey[set]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last test of the modules that share ``served`` (its module's fixtures torn down
+    first), stop the shared run: the next module may start Ray in this process itself."""
+    yield
+    sharing = item.config.stash.get(_SHARING, set())
+    if nextitem is None or nextitem.nodeid.split("::")[0] not in sharing:
+        import serve_fixtures
+
+        serve_fixtures.stop_shared_serve()

@@ -14,6 +14,7 @@ modest values), for the types ``gguf.quants`` cannot quantize (the K-quants).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,20 @@ def smollm2_path() -> Path:
         return locate(DEFAULT_MODEL)
     except Exception as exc:  # CheckpointFileMissing: the set-up did not run
         raise AssertionError(f"{exc} (tests/run.sh runs deploy/setup.sh, which installs it)") from None
+
+
+@functools.cache
+def hf_smollm2():
+    """transformers' own GGUF loader's SmolLM2 (float32, eval mode) and its tokenizer: the reference
+    the tests hold this project's loader, tokenizer and engine against. Loaded once per test process
+    (half a minute: its reader parses the file's metadata in Python); nobody may change it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tokenizer
 
 
 def byte_alphabet() -> list[str]:

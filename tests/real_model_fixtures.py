@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gguf_fixtures import smollm2_path
+from gguf_fixtures import hf_smollm2
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -45,11 +45,8 @@ def smollm2_reference() -> Reference:
 def reference() -> Reference:
     """Computed once per test process, whichever modules ask (each imports the fixture)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model, tok = hf_smollm2()
     prompts, outputs = [], []
     for question in CHAT_PROMPTS:
         text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,

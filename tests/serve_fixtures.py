@@ -94,13 +94,7 @@ def serve_models(tmp_path_factory) -> ServeModels:
     return ServeModels(target, draft, shipped=False)
 
 
-# -- processes and ports ------------------------------------------------------------------------
-
-
-
-
-
-
+# -- processes -------------------------------------------------------------------------------------
 
 
 def child_env() -> dict[str, str]:
@@ -187,8 +181,7 @@ def serve_yaml(models: ServeModels | None, folder: Path, args: dict | None = Non
     Only the checkpoint paths change (and the port, should 8000 be taken by
     someone else's server on this shared machine), and the ``args`` given
     (AppConfig fields): everything else is the shipped file. A copy with
-    ``args`` always gets a port of its own, so that a test's variant never
-    leaves the shipped port to the next module in TIME_WAIT.
+    ``args`` always gets a port of its own.
     """
     import yaml
 
@@ -289,11 +282,10 @@ def ours(run: ServeRun) -> bool:
 def stop_serve(run: ServeRun) -> None:
     """Delete the applications, stop `serve run`, then the Ray head (and with it every worker).
 
-    The HTTP port is waited for (up to 15 s) only when it is the shipped
-    YAML's, which the next module may want; a port of the run's own (another
-    server had 8000, or the YAML is a variant) is never asked for again, and a
-    connection the server closed (a stream of a killed replica) keeps it in
-    TIME_WAIT for a minute.
+    The HTTP port is waited for (up to 15 s, until nothing listens on it) only
+    when it is the shipped YAML's, which the next module may want; a port of
+    the run's own (another server had 8000, or the YAML is a variant) is never
+    asked for again.
     """
     import yaml
 
@@ -365,14 +357,42 @@ def slot_snapshot(app_name: str):
     return ray.get(slot_manager(app_name).snapshot.remote(), timeout=30)
 
 
+# The shipped YAML's `serve run`, shared by the modules that ask for ``served``: conftest.py puts those
+# modules next to each other and stops the run after the last of them (stop_shared_serve), so the
+# suite starts it once instead of once per module (each start is Ray, Serve, two replicas and their
+# compiled models: most of a minute on a 2-core box).
+_shared: ServeRun | None = None
+
+
 @pytest.fixture(scope="module")
 def served(serve_models, tmp_path_factory) -> ServeRun:
-    """``serve run deploy/shakespeare.yaml`` (or its tiny-pair copy) for one test module."""
+    """``serve run deploy/shakespeare.yaml`` (or its tiny-pair copy), shared by the modules that use it.
+
+    A module must leave the application as it found it: what it deploys beside it, it deletes; what it
+    takes (slots, connections), it gives back. Should the run have died (its process ended), the next
+    module gets a new one.
+    """
     import ray
 
-    assert not ray.is_initialized(), "another test left Ray initialised in this process"
-    run = start_serve(serve_models, tmp_path_factory.mktemp("serve_run"))
-    try:
-        yield run
-    finally:
+    global _shared
+    if _shared is not None and _shared.proc.poll() is not None:
+        stop_shared_serve()
+    if _shared is None:
+        assert not ray.is_initialized(), "another test left Ray initialised in this process"
+        _shared = start_serve(serve_models, tmp_path_factory.mktemp("serve_run"))
+    yield _shared
+
+
+def stop_shared_serve() -> None:
+    """Stop the shared run, if one is up (conftest.py, after the last module that uses it)."""
+    global _shared
+    run, _shared = _shared, None
+    if run is not None:
         stop_serve(run)
+
+
+def uses_shared_serve(item: pytest.Item) -> bool:
+    """Whether a test asks for the shared ``served`` (not a module's own fixture of that name)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get("served", ()) if info is not None else ()
+    return bool(defs) and defs[-1].func.__module__ == __name__

@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
+from serve_fixtures import serve_models, served  # noqa: F401 - fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from loadgen import LoadConfig, RemoteTargetRefused, run_load  # noqa: E402
@@ -143,28 +143,10 @@ def test_only_localhost_unless_allowed():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_against_the_real_dspark_serve_app():
-    target, draft = shipped(SHIPPED_TARGET, "config.json"), shipped(SHIPPED_DRAFT, "config.json")
-    import ray
-    from ray import serve
-
-    from dspark_ray.serve.app import build_app
-
-    ray.init(address="local", num_cpus=4, object_store_memory=200 * 2**20, include_dashboard=False,
-             log_to_driver=False)
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": str(target), "draft": str(draft), "tensor_parallel_size": 1,
-                             "cpus_per_shard": 0.25}), name="dspark", route_prefix="/")
-        cfg = LoadConfig(base_url=f"http://127.0.0.1:{port}/v1", concurrency=2, requests=4, max_tokens=8,
-                         progress=False)
-        s = asyncio.run(run_load(cfg)).summary
-        assert (s.completed, s.output_tokens, s.errors) == (4, 32, {})
-        assert s.ttft_ms_p50 > 0 and s.itl_ms_p50 > 0
-        assert s.mean_acceptance_length is not None and 1.0 <= s.mean_acceptance_length <= 5.0
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def test_against_the_real_dspark_serve_app(served):
+    """The shipped YAML's `serve run` (shared with the other modules that serve it)."""
+    cfg = LoadConfig(base_url=f"{served.base_url}/v1", concurrency=2, requests=4, max_tokens=8, progress=False)
+    s = asyncio.run(run_load(cfg)).summary
+    assert (s.completed, s.output_tokens, s.errors) == (4, 32, {})
+    assert s.ttft_ms_p50 > 0 and s.itl_ms_p50 > 0
+    assert s.mean_acceptance_length is not None and 1.0 <= s.mean_acceptance_length <= 5.0

@@ -20,7 +20,7 @@ from dspark_ray.model.errors import CheckpointFileMissing, ModelLoadError, Unsup
 from dspark_ray.model.gguf import SUPPORTED_TYPES, GgufError, open_checkpoint
 from dspark_ray.model.parallel import TensorParallel
 from dspark_ray.tokenizer import Tokenizer, TokenizerMismatch, check_compatible
-from gguf_fixtures import random_blocks, smollm2_path, write_tiny_gguf
+from gguf_fixtures import hf_smollm2, random_blocks, smollm2_path, write_tiny_gguf
 
 CORPUS = [
     "Hello world!",
@@ -45,10 +45,10 @@ def hf_from_gguf(path):  # transformers' own GGUF loader, float32
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-def logits_ours_and_hf(path, ids):
+def logits_ours_and_hf(path, ids, hf=None):
     ours = load(path, dtype="float32")
     with torch.no_grad():
-        return ours(ids)[0], hf_from_gguf(path)(ids).logits[0]
+        return ours(ids)[0], (hf or hf_from_gguf(path))(ids).logits[0]
 
 
 # -- small random models of every family, against transformers' GGUF loader -------------------------
@@ -133,10 +133,7 @@ def test_each_block_type_dequantizes_as_ggml_does(tmp_path, qtype):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizers():
-    from transformers import AutoTokenizer
-
-    path = smollm2_path()
-    return Tokenizer.from_path(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return Tokenizer.from_path(smollm2_path()), hf_smollm2()[1]
 
 
 def test_smollm2_tokenizer_encodes_and_decodes_as_transformers(smollm2_tokenizers):
@@ -317,7 +314,7 @@ def test_export_writes_a_folder_transformers_and_this_loader_read_as_the_file(tm
 def test_smollm2_logits_match_transformers_gguf_loader():
     path = smollm2_path()
     ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 504, 713, 216, 34, 32, 34, 36]])
-    ours, theirs = logits_ours_and_hf(path, ids)
+    ours, theirs = logits_ours_and_hf(path, ids, hf_smollm2()[0])
     torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=1e-4)
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
     cfg = ModelConfig.from_path(path)

@@ -80,11 +80,12 @@ PROMPTS = ["ROMEO:\nBut soft, what light", "To be, or not"]
 def small_app(served: ServeRun, serve_models, name: str, prefix: str, **extra):
     """A second application beside the shipped one: tensor-parallel 1 with the draft, CAPACITY slots,
     an API key, one replica (whatever the shipped YAML runs) serving HTTP on a port of its own (the
-    shipped YAML's way); its URL."""
+    shipped YAML's way), its model eager (compiling is not what these tests are about, and a start
+    takes seconds less); its URL."""
     port = free_port()
     args = dict(served.args, model=str(serve_models.target), draft=str(serve_models.draft),
                 tensor_parallel_size=1, num_replicas=1, capacity=CAPACITY, max_num_seqs=CAPACITY,
-                max_context=MAX_CONTEXT, api_key=API_KEY, http_port=port, **extra)
+                max_context=MAX_CONTEXT, api_key=API_KEY, http_port=port, compile_model=False, **extra)
     serve.run(build_app(args), name=name, route_prefix=prefix)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -410,7 +410,8 @@ def test_overload_gets_503_with_retry_after(served, serve_models):
     queues and six are refused at once with 503 + Retry-After, rather than waiting in Serve."""
     port = free_port()  # its replica serves HTTP on a port of its own (the shipped YAML's way)
     args = dict(served.args, model=str(serve_models.target), draft=None, tensor_parallel_size=1,
-                num_replicas=1, max_num_seqs=1, max_queued_requests=1, capacity=4, http_port=port)
+                num_replicas=1, max_num_seqs=1, max_queued_requests=1, capacity=4, http_port=port,
+                compile_model=False)  # eager: it starts sooner, and refusing is the same
     serve.run(build_app(args), name=OVERLOAD_APP, route_prefix="/overload")
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"

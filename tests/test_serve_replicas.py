@@ -122,7 +122,8 @@ def two_replicas(serve_models, tmp_path_factory):
     # the YAML's bind_cores gives two of the four workers a core each and leaves the others unbound.
     args = dict(num_replicas=REPLICAS, capacity=CAPACITY, max_context=MAX_CONTEXT, max_num_seqs=ROWS,
                 max_queued_requests=16, kv_pool_tokens=ROWS * MAX_CONTEXT,  # no preemption: quicker
-                draft_placement="worker", torch_threads=1, worker_env_vars={})
+                draft_placement="worker", torch_threads=1, worker_env_vars={},
+                compile_model=False)  # eager: what is tested is how the replicas share, not the model's speed
     run = start_serve(serve_models, tmp_path_factory.mktemp("serve_replicas"), args=args,
                       before_serve=slot_manager_first)
     try:

@@ -18,7 +18,11 @@ LOOPBACK = "127.0.0.1"
 
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a server could listen on ``port`` now. Bound as servers bind (``SO_REUSEADDR``: uvicorn,
+    vLLM and the replicas' own sockets all set it), so connections a stopped server left in TIME_WAIT
+    do not count, and a socket still listening does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
