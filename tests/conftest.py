@@ -138,10 +138,14 @@ def make_checkpoint(tmp_path):
 # -- the shared `serve run` (serve_fixtures.served) ---------------------------------------------------
 
 
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def _sharing_modules(items: list[pytest.Item]) -> set[str]:
     import serve_fixtures
 
-    return {item.nodeid.split("::")[0] for item in items if serve_fixtures.uses_shared_serve(item)}
+    return {_module(item) for item in items if serve_fixtures.uses_shared_serve(item)}
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -151,9 +155,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     config.stash[_SHARING] = sharing
     if len(sharing) < 2:
         return
-    group = [item for item in items if item.nodeid.split("::")[0] in sharing]
-    first = next(i for i, item in enumerate(items) if item.nodeid.split("::")[0] in sharing)
-    rest = [item for item in items if item.nodeid.split("::")[0] not in sharing]
+    group = [item for item in items if _module(item) in sharing]
+    first = next(i for i, item in enumerate(items) if _module(item) in sharing)
+    rest = [item for item in items if _module(item) not in sharing]
     items[:] = rest[:first] + group + rest[first:]
 
 
@@ -166,7 +170,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     first), stop the shared run: the next module may start Ray in this process itself."""
     yield
     sharing = item.config.stash.get(_SHARING, set())
-    if nextitem is None or nextitem.nodeid.split("::")[0] not in sharing:
+    if nextitem is None or _module(nextitem) not in sharing:
         import serve_fixtures
 
         serve_fixtures.stop_shared_serve()

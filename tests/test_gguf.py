@@ -48,7 +48,7 @@ def hf_from_gguf(path):  # transformers' own GGUF loader, float32
 def logits_ours_and_hf(path, ids, hf=None):
     ours = load(path, dtype="float32")
     with torch.no_grad():
-        return ours(ids)[0], (hf or hf_from_gguf(path))(ids).logits[0]
+        return ours(ids)[0], (hf if hf is not None else hf_from_gguf(path))(ids).logits[0]
 
 
 # -- small random models of every family, against transformers' GGUF loader -------------------------

@@ -198,8 +198,7 @@ class Stream:
 
 @pytest.fixture
 def client(two_replicas):
-    """One client for the test's streams: its connections are closed by this side, so the server's
-    port is not left in TIME_WAIT for the teardown to wait out."""
+    """One client for the test's streams, closed when the test ends."""
     with new_client(two_replicas) as c:
         yield c
 
