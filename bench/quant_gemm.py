@@ -5,7 +5,7 @@ side in one run, on 1 and 2 threads (``--threads``):
 
 - ``q f32 xT``:  ``QuantGemm`` — the blocks decoded in registers, float32 products and sums, on T
   threads (``quant.set_threads``);
-- ``q int8 xT``: ``QuantGemm(int8=True)`` — x rounded to int8 per 32-block (llama.cpp's scheme, VNNI);
+- ``q int8 xT``: ``QuantGemm(int8=True)`` — x rounded to int8 per 32-block (llama.cpp's scheme; AVX512-VNNI or AVX2);
 - ``f32 xT``:    ``F.linear`` on the dequantized float32 weight (MKL), ``torch.set_num_threads(T)``;
 - ``bf16``:      ``dspark_kernels.cpu.Bf16Gemm``, the bfloat16 copy the float32 model uses today
   (one thread: it has no pool).
@@ -160,7 +160,7 @@ def main() -> None:
     if quant._library() is None:
         raise SystemExit("the CPU kernels are not built here (no C compiler?)")
     g = torch.Generator().manual_seed(0)
-    print(f"int8 path on VNNI: {quant.int8_native()}; {os.cpu_count()} CPUs; load average at start "
+    print(f"int8 path on: {quant.int8_isa()}; {os.cpu_count()} CPUs; load average at start "
           f"{os.getloadavg()[0]:.2f}; us a call (GB/s of that method's weight bytes)")
     if args.step:
         step(args, g)

@@ -328,10 +328,16 @@ def test_int8_path_is_its_reference_and_within_half_a_step_of_x(qtype, k):
 
 
 @needs_c
-def test_int8_path_says_whether_it_runs_on_vnni():
+def test_int8_path_says_what_it_runs_on():
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has = all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c"))
-    assert quant.int8_native() == has
+
+    def has(*names: str) -> bool:
+        return all(f" {name}" in flags for name in names)
+
+    want = ("avx512-vnni" if has("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c")
+            else "avx2" if has("avx2", "f16c") else "scalar")
+    assert quant.int8_isa() == want
+    assert quant.int8_native() == (want != "scalar")
 
 
 # ---- the int8 path against llama.cpp ------------------------------------------------------------------------

@@ -23,8 +23,8 @@ Results equal dequantize-then-matmul up to the order of the float32 sums (the ke
 block to the same floats the dequantizer gives), so greedy output matches the dequantized model
 token for token except at a near-tie (tests/test_real_model.py holds it to transformers').
 ``quantization: int8`` rounds each 32-block of the activations to int8 first and multiplies in
-integers (llama.cpp's scheme, AVX512-VNNI): faster, and as exact as that rounding (0.3-1% relative
-per matmul), so greedy answers may part from the dequantized model's after a while.
+integers (llama.cpp's scheme; AVX512-VNNI or AVX2): faster, and as exact as that rounding (0.3-1%
+relative per matmul), so greedy answers may part from the dequantized model's after a while.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def attach_gemms(model: nn.Module, int8: bool = False) -> None:
     from dspark_ray.model.llama import CausalLM
 
     if int8 and next(model.buffers()).device.type == "cpu" and not _int8_native():
-        log.warning("quantization: int8 runs a portable scalar loop on this CPU (it has no AVX512-VNNI), "
+        log.warning("quantization: int8 runs a portable scalar loop on this CPU (it has neither AVX2 nor AVX512-VNNI), "
                     "several times slower than the float path that quantization: auto takes")
     for module in model.modules():
         owners = [module] if isinstance(module, nn.Linear) else []

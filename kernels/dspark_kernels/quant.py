@@ -35,8 +35,8 @@ The formats (``FORMATS``; w is the weight, q the stored integer, d and m float16
 ``quant_matmul_int8`` (CPU, Q8_0 / Q4_0 / Q4_1): llama.cpp's scheme, a separate entry point.
 Each 32-block of a row of x is rounded to int8 with its own scale (``quantize_rows_int8``: llama.cpp's
 Q8_0 / Q8_1 activations, the same integers), so block dot products are exact in int32
-(AVX512-VNNI), then scaled in float32: faster, and about as accurate as x's rounding to 8 bits,
-which every weight meets alike (Q4_1's offset times the rounded block's sum, as llama.cpp's Q8_1
+(AVX512-VNNI, or AVX2's byte multiply-adds as llama.cpp does there), then scaled in float32:
+faster, and about as accurate as x's rounding to 8 bits, which every weight meets alike (Q4_1's offset times the rounded block's sum, as llama.cpp's Q8_1
 ``s``). It differs from llama.cpp's only in keeping the two activation scales float32 where
 llama.cpp stores float16 (and in the order of float sums). Error bounds, and the comparison with a
 transcription of llama.cpp's arithmetic and with llama.cpp's own logits, in
@@ -382,10 +382,16 @@ def get_threads() -> int:
     return 1 if lib is None else lib.dspark_quant_get_threads()
 
 
-def int8_native() -> bool:
-    """Whether quant_matmul_int8 runs on AVX512-VNNI here (else a portable scalar loop, or the reference)."""
+def int8_isa() -> str | None:
+    """What quant_matmul_int8 runs on here: "avx512-vnni", "avx2" (llama.cpp's maddubs way), "scalar"
+    (a portable loop, several times slower than the float path), or None (no C kernels: the reference)."""
     lib = _library()
-    return lib is not None and bool(lib.dspark_quant_gemm_q8act_native())
+    return None if lib is None else ("scalar", "avx2", "avx512-vnni")[lib.dspark_quant_gemm_q8act_native()]
+
+
+def int8_native() -> bool:
+    """Whether quant_matmul_int8 runs on vector instructions here (AVX512-VNNI or AVX2), not a scalar loop."""
+    return int8_isa() in ("avx2", "avx512-vnni")
 
 
 class QuantGemm:

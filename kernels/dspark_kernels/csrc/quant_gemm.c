@@ -22,12 +22,12 @@
  * (loads, not multiply-adds, bound that loop). With AVX2 decoding costs more, and above ROWS rows the
  * wide tiles decode a few output rows once into such a buffer (the same sums in the same order).
  *
- * Int8 path (dspark_quant_gemm_q8act, Q4_0 / Q4_1 / Q8_0 with AVX512-VNNI): each 32-block of a row
- * of x is rounded to int8 with its own scale, as llama.cpp does (its Q8_0 / Q8_1 activations); the
- * dot product of a weight block and an x block is then exact in int32 (vpdpbusd), scaled by both
- * blocks' scales into a float32 accumulator. Faster, and as accurate as x's rounding to int8 (every
- * weight, Q4_1's offset included, multiplies the same rounded x; see quant.py): a separate entry
- * point, not the float path.
+ * Int8 path (dspark_quant_gemm_q8act, Q4_0 / Q4_1 / Q8_0 with AVX512-VNNI or AVX2): each 32-block of
+ * a row of x is rounded to int8 with its own scale, as llama.cpp does (its Q8_0 / Q8_1 activations);
+ * the dot product of a weight block and an x block is then exact in int32 (vpdpbusd; on AVX2
+ * vpmaddubsw and vpmaddwd), scaled by both blocks' scales into a float32 accumulator. Faster, and
+ * as accurate as x's rounding to int8 (every weight, Q4_1's offset included, multiplies the same
+ * rounded x; see quant.py): a separate entry point, not the float path.
  *
  * Threads (dspark_quant_set_threads): a call big enough is split by OUTPUT rows among the calling
  * thread and a small pool of pthreads of this library's own (not OpenMP: PyTorch's wheel carries its
@@ -37,7 +37,7 @@
  *
  * Plain C with GCC/Clang vector extensions for the arithmetic, and AVX-512 intrinsics (guarded by
  * __AVX512F__ etc.) for the decoders, or AVX2 ones for Q8_0 / Q4_0 / Q4_1 (__AVX2__, __F16C__: most
- * laptops); without them a portable scalar decoder gives the same floats
+ * laptops; and the AVX2 int8 path); without them a portable scalar decoder gives the same floats
  * and the int8 path a scalar loop. Built and loaded by dspark_kernels/cpu.py.
  */
 #define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
@@ -933,8 +933,11 @@ int64_t dspark_quant_gemm_q8act_scratch(int qtype, int64_t M, int64_t K) {
     return bytes <= STACK_RECORDS ? 0 : bytes;
 }
 
+/* How the int8 path runs here: 2 AVX512-VNNI, 1 AVX2, 0 the portable scalar loop. */
 int dspark_quant_gemm_q8act_native(void) {
 #if defined(QG_VNNI)
+    return 2;
+#elif defined(QG_AVX2)
     return 1;
 #else
     return 0;
@@ -957,6 +960,31 @@ static inline void quantize_block(const float *xb, int8_t q[32], float *dx_out, 
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *dx_out = dx, *sum_out = sum, *sx_out = dx * (float)sum;
+#elif defined(QG_AVX2)
+    /* The scalar loop's integers (cvtps rounds half to even under the default MXCSR, as rintf does),
+     * packed back into x's order: the packs work within 128-bit lanes, so the 4-byte runs come out as
+     * a0 b0 c0 d0 | a1 b1 c1 d1 (a..d: x's four ymm) and one dword permute mends that. */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))), lo), hi);
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int32_t sum = _mm_cvtsi128_si32(s4);
     *dx_out = dx, *sum_out = sum, *sx_out = dx * (float)sum;
 #else
     float amax = 0.0f;
@@ -1149,6 +1177,132 @@ static void int8_gemm(const Int8Call *c, int64_t n0, int64_t n1) {
             const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
             tiles[rows](c->records + m0 * groups * RECORD, groups, blocks, c->w + p * row_bytes, row_bytes, width,
                         idx_qs, idx_hdr, c->y + m0 * N + p, N);
+        }
+    }
+}
+
+#elif defined(QG_AVX2)
+/* AVX2 without VNNI (llama.cpp's way there), one 32-block at a time. A Q4 block's 16 bytes of quants
+ * become 32 unsigned bytes (the low nibbles, weights 0..15, in the low lane; the high ones, 16..31,
+ * in the high lane), against the record's xq of the block loaded as the same two halves. vpmaddubsw
+ * multiplies unsigned by signed bytes and adds neighbours into int16 (|sum| <= 2 * 128 * 127: no
+ * saturation), vpmaddwd by ones adds those pairs into int32: the block's dot product, exact, as
+ * vpdpbusd gives it. Signed weights (Q8_0's, and Q4_0's with its 8 taken off) go in as |q| against xq
+ * given q's sign (vpsignb). Then y += (d * dx) * dot in float32, even and odd blocks into two
+ * accumulators (at one row the multiply-add's latency would bound the loop otherwise), and Q4_1's
+ * m * sx into two float sums. A row of x takes the same sequence whatever rows share its tile (batch
+ * invariance). */
+
+/* A Q4 block's quants as 32 unsigned bytes 0..15, in weight order. */
+static inline __m256i q4_bytes(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+                            _mm256_set1_epi8(15));
+}
+
+/* Block i of a Q4 record's group: its 32 xq in weight order. */
+static inline __m256i xq_q4(const uint8_t *rec, int64_t i) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rec + 16 * i))),
+                                   _mm_loadu_si128((const __m128i *)(rec + 64 + 16 * i)), 1);
+}
+
+/* The dot product of unsigned bytes u and signed bytes s as 8 exact int32 partial sums, in floats. */
+static inline __m256 dot8(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* Block bi of a weight row (blk: its bytes) into accumulators P of every row of x. */
+static inline void avx2_q4_1(int R, int P, const uint8_t *blk, int64_t bi, const uint8_t *xr, int64_t groups,
+                             __m256 acc[][2], float accm[][2]) {
+    const __m256i q = q4_bytes(blk + 4);
+    const float d = half(blk), m = half(blk + 2);
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *rec = xr + (r * groups + bi / 4) * RECORD;
+        const int64_t i = bi % 4;
+        acc[r][P] = MADD8(dot8(q, xq_q4(rec, i)), _mm256_set1_ps(d * ((const float *)(rec + 128))[4 * i]),
+                                    acc[r][P]);
+        accm[r][P] += m * ((const float *)(rec + 192))[4 * i];
+    }
+}
+
+static inline void avx2_q4_0(int R, int P, const uint8_t *blk, int64_t bi, const uint8_t *xr, int64_t groups,
+                             __m256 acc[][2], float accm[][2]) {
+    (void)accm;
+    const __m256i q = _mm256_sub_epi8(q4_bytes(blk + 2), _mm256_set1_epi8(8)), aq = _mm256_sign_epi8(q, q);
+    const float d = half(blk);
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *rec = xr + (r * groups + bi / 4) * RECORD;
+        const int64_t i = bi % 4;
+        acc[r][P] = MADD8(dot8(aq, _mm256_sign_epi8(xq_q4(rec, i), q)),
+                                    _mm256_set1_ps(d * ((const float *)(rec + 128))[4 * i]), acc[r][P]);
+    }
+}
+
+static inline void avx2_q8_0(int R, int P, const uint8_t *blk, int64_t bi, const uint8_t *xr, int64_t groups,
+                             __m256 acc[][2], float accm[][2]) {
+    (void)accm;
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), aq = _mm256_sign_epi8(q, q);
+    const float d = half(blk);
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *rec = xr + (r * groups + bi / 2) * RECORD;
+        const int64_t i = bi % 2;
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(rec + 32 * i));
+        acc[r][P] = MADD8(dot8(aq, _mm256_sign_epi8(xq, q)),
+                                    _mm256_set1_ps(d * ((const float *)(rec + 128))[8 * i]), acc[r][P]);
+    }
+}
+
+/* R rows of x (records xr, `groups` a row) times `count` weight rows from w, one row after another. */
+#define INT8_TILE(NAME, BLOCK, SIZE, R)                                                                       \
+    static void NAME(const uint8_t *xr, int64_t groups, int64_t blocks, const uint8_t *w, int64_t row_bytes,  \
+                     int64_t count, float *y, int64_t ldy) {                                                  \
+        for (int64_t n = 0; n < count; ++n) {                                                                 \
+            const uint8_t *row = w + n * row_bytes;                                                           \
+            __m256 acc[R][2];                                                                                 \
+            float accm[R][2];                                                                                 \
+            for (int r = 0; r < R; ++r) {                                                                     \
+                acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                                  \
+                accm[r][0] = accm[r][1] = 0.0f;                                                               \
+            }                                                                                                 \
+            int64_t b = 0;                                                                                    \
+            for (; b + 1 < blocks; b += 2) {                                                                  \
+                BLOCK(R, 0, row + b * SIZE, b, xr, groups, acc, accm);                                        \
+                BLOCK(R, 1, row + (b + 1) * SIZE, b + 1, xr, groups, acc, accm);                              \
+            }                                                                                                 \
+            if (b < blocks) BLOCK(R, 0, row + b * SIZE, b, xr, groups, acc, accm);                            \
+            for (int r = 0; r < R; ++r) {                                                                     \
+                const __m256 s8 = _mm256_add_ps(acc[r][0], acc[r][1]);                                        \
+                const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));       \
+                const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                      \
+                y[r * ldy + n] =                                                                              \
+                    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + (accm[r][0] + accm[r][1]);     \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+typedef void (*Int8Tile)(const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
+#define INT8_TILES(T, BLOCK, SIZE)                                                                            \
+    INT8_TILE(int8_##T##_1, BLOCK, SIZE, 1)                                                                   \
+    INT8_TILE(int8_##T##_2, BLOCK, SIZE, 2)                                                                   \
+    INT8_TILE(int8_##T##_3, BLOCK, SIZE, 3)                                                                   \
+    INT8_TILE(int8_##T##_4, BLOCK, SIZE, 4)                                                                   \
+    static const Int8Tile int8_##T[ROWS + 1] = {0, int8_##T##_1, int8_##T##_2, int8_##T##_3, int8_##T##_4};
+INT8_TILES(q4_0, avx2_q4_0, 18)
+INT8_TILES(q4_1, avx2_q4_1, 20)
+INT8_TILES(q8_0, avx2_q8_0, 34)
+
+/* Output rows n0..n1 of the call c (panels of PANEL, each swept by passes of ROWS rows of x). */
+static void int8_gemm(const Int8Call *c, int64_t n0, int64_t n1) {
+    const int qtype = c->qtype;
+    const int64_t M = c->M, N = c->N, row_bytes = c->row_bytes;
+    const int64_t blocks = c->K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+    const Int8Tile *tiles = qtype == Q8_0 ? int8_q8_0 : qtype == Q4_1 ? int8_q4_1 : int8_q4_0;
+    for (int64_t p = n0; p < n1; p += PANEL) {
+        const int64_t width = n1 - p < PANEL ? n1 - p : PANEL;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+            tiles[rows](c->records + m0 * groups * RECORD, groups, blocks, c->w + p * row_bytes, row_bytes, width,
+                        c->y + m0 * N + p, N);
         }
     }
 }
