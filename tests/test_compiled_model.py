@@ -15,7 +15,8 @@ from conftest import SHIPPED_DRAFT, SHIPPED_TARGET, shipped
 from dspark_ray.engine import EngineConfig, SamplingParams
 from dspark_ray.engine.config import ConfigError
 from dspark_ray.engine.local import DRAFT_SHAPES, TARGET_SHAPES, build_local_engine
-from dspark_ray.model.compiled import compile_model, missing_toolchain, warm_up
+from dspark_ray.model.compiled import LAYER_GROUP, _OpGemm, compile_model, layer_group, missing_toolchain, warm_up
+from dspark_ray.model.layers import Linear
 from dspark_ray.model.llama import CausalAttention
 from dspark_ray.model.loader import load
 from dspark_ray.serve.config import AppConfig
@@ -107,3 +108,43 @@ def test_compile_model_refuses_what_it_cannot_compile(make_checkpoint):
     with pytest.raises(ValueError, match="compile_model: its layers are not plain attention"):
         compile_model(moe)
     assert moe.compiled is None
+
+
+def test_layer_groups():
+    assert [layer_group(n) for n in (1, 2, 8)] == [1, 2, 8]  # up to LAYER_GROUP: one call
+    assert LAYER_GROUP == 8 and [layer_group(n) for n in (12, 28, 30, 32)] == [6, 7, 6, 8]  # a divisor
+    assert [layer_group(n) for n in (13, 31)] == [8, 8]  # none from 4 to 8: 8 + 5, 4 x 8 - 1
+
+
+def test_models_of_many_layers_share_the_groups_graphs_and_keep_their_own_weights(make_checkpoint):
+    """12 layers run as two groups of 6 through one graph per shape, and a second model of the same
+    shapes (other weights) runs on the first one's graphs: each gives its own eager logits, so the
+    graphs take the weights (and the matmul kernels, through dspark::linear) as inputs, never as
+    constants, and no layer's attention is skipped or repeated."""
+    big = dict(num_hidden_layers=12, hidden_size=128, intermediate_size=256, vocab_size=256)
+    models = []
+    for seed in (1, 2):
+        folder, _ = make_checkpoint(seed=seed, **big)
+        eager, compiled = load(folder, dtype="float32"), load(folder, dtype="float32")
+        assert compile_model(compiled)
+        assert len(compiled.compiled._groups) == 2
+        assert any(isinstance(linear.gemm, _OpGemm) for linear in compiled.modules() if isinstance(linear, Linear))
+        warm_up(compiled, TARGET_SHAPES)
+        models.append((eager, compiled))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for eager, compiled in models:
+            for rows, tokens in CALLS["target"]:
+                ids = torch.randint(0, 256, (rows, tokens))
+                positions = (torch.arange(tokens) + 3).expand(rows, tokens)
+                seen = Recording()
+                want = eager.logits(eager.hidden_states(ids, positions, CausalAttention()))
+                got = compiled.logits(compiled.hidden_states(ids, positions, seen))
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                assert seen.layers == list(range(12))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    (_, first), (_, second) = models
+    a = first.logits(first.hidden_states(torch.tensor([[5, 6, 7]]), None, CausalAttention()))
+    b = second.logits(second.hidden_states(torch.tensor([[5, 6, 7]]), None, CausalAttention()))
+    assert not torch.allclose(a, b)  # two models indeed, not one graph's baked-in weights

@@ -11,7 +11,9 @@ its wrapper. What it must not touch is left opaque, as two custom ops:
 
 - ``dspark::linear``: every matmul runs the model's own kernel
   (``cpu_gemm.PackedGemm``: oneDNN's prepacked weight, or torch's matmul for
-  small calls), so the matmuls' results are the eager path's bit for bit;
+  small calls; the GGUF block kernels), so the matmuls' results are the eager
+  path's bit for bit. It takes the linear's weight tensor, which names its
+  kernel in a registry, so the graph holds no per-layer constant;
 - ``dspark::attention``: the attention callable of the current pass (the
   target's paged ``PackedAttention``, the draft's window-cache
   ``RingAttention``), which reads and writes the engine's caches in Python.
@@ -25,6 +27,12 @@ that precision (speculation stays lossless: draft and target are each
 compiled or not, and the target decides every token). Every row is computed
 alone (per-row reductions, the same matmul kernels), so a request's tokens do
 not depend on its neighbours any more than in eager.
+
+The model is compiled by regions (``CompiledForward``): the embedding, the
+layers in groups of up to ``LAYER_GROUP``, the final norm. Identical layers
+share one graph, so a 30-layer model builds the code of 6 layers, not 30:
+SmolLM2-135M's cold start (1 thread, the 2-core box) took 116 s as one graph
+and 42 s in groups of 6, at about the same step time.
 
 Shapes are dynamic: the first call with a dimension other than 1 compiles a
 graph for every size of it (torch specialises sizes 0 and 1, so a draft at
@@ -46,6 +54,7 @@ or latent-attention layers, or CUDA (``compile_model`` refuses them).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -60,8 +69,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _local = threading.local()
-_gemms: dict[int, tuple[Callable, torch.Tensor | None, int]] = {}  # key -> (matmul, bias, out features)
-_next_key = 0
+# (weight's data pointer, out features) -> (matmul, bias, weight): the weight held, so that its memory
+# (and so its key) cannot be taken by another tensor while the entry stands.
+_gemms: dict[tuple[int, int], tuple[Callable, torch.Tensor | None, torch.Tensor]] = {}
 _lock = threading.Lock()
 
 
@@ -69,16 +79,16 @@ _lock = threading.Lock()
 # whose Python wrappers (aliasing checks, a Dynamo-disable layer) cost 3.5-4 us a call against 1.6 here
 # (the 2-core box): a step of the shipped pair makes about 80 of these calls.
 _lib = torch.library.Library("dspark", "FRAGMENT")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
-_lib.define("linear(Tensor x, int key) -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, SymInt layer) -> Tensor")
+_lib.define("linear(Tensor x, Tensor weight) -> Tensor")
 
 
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     return _local.attention(layer, q, k, v).contiguous()
 
 
-def _linear_op(x: torch.Tensor, key: int) -> torch.Tensor:
-    matmul, bias, _ = _gemms[key]
+def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    matmul, bias, _ = _gemms[(weight.data_ptr(), weight.shape[0])]
     return matmul(x, bias).contiguous()
 
 
@@ -92,8 +102,8 @@ def _(q, k, v, layer):
 
 
 @torch.library.register_fake("dspark::linear")
-def _(x, key):
-    return x.new_empty((*x.shape[:-1], _gemms[key][2]))
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -104,23 +114,27 @@ def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 class _OpGemm:
     """Stands in a linear's ``gemm``: its matmul behind ``dspark::linear`` (the graph sees one opaque op)."""
 
-    def __init__(self, key: int) -> None:
-        self.key = key
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.dspark.linear(x, self.key)
+        return torch.ops.dspark.linear(x, self.weight)
 
 
-def _register(matmul: Callable, bias: torch.Tensor | None, out_features: int) -> int:
-    global _next_key
+def _key(weight: torch.Tensor) -> tuple[int, int]:
+    return weight.data_ptr(), weight.shape[0]
+
+
+def _register(matmul: Callable, bias: torch.Tensor | None, weight: torch.Tensor) -> tuple[int, int]:
+    key = _key(weight)
     with _lock:
-        key = _next_key
-        _next_key += 1
-        _gemms[key] = (matmul, bias, out_features)
+        if key in _gemms and _gemms[key][0] is not matmul:
+            raise ValueError(f"compile_model: two matmuls on one weight ({tuple(weight.shape)})")
+        _gemms[key] = (matmul, bias, weight)
     return key
 
 
-def _forget(keys: list[int]) -> None:
+def _forget(keys: list[tuple[int, int]]) -> None:
     with _lock:
         for key in keys:
             _gemms.pop(key, None)
@@ -163,24 +177,73 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+# Layers per compiled call (``layer_group``): a graph of this many layers is traced, lowered and built
+# once and serves every group of the model. One graph of all of SmolLM2's 30 layers took 116 s to build
+# cold on the 2-core box (one thread), one layer at a time 25 s but ~3 ms more a step (a compiled call's
+# guards and wrappers, ~100 us each); groups of 6 took 42 s and cost about what the whole graph does.
+LAYER_GROUP = 8
+
+
+def layer_group(layers: int) -> int:
+    """How many layers each compiled call runs: all of them up to ``LAYER_GROUP``; else the largest
+    divisor of ``layers`` from ``LAYER_GROUP // 2`` to ``LAYER_GROUP`` (one graph for every group), else
+    ``LAYER_GROUP`` (a shorter last group: a second graph)."""
+    if layers <= LAYER_GROUP:
+        return max(layers, 1)
+    return next((d for d in range(LAYER_GROUP, LAYER_GROUP // 2 - 1, -1) if layers % d == 0), LAYER_GROUP)
+
+
 class CompiledForward:
-    """``model.hidden_states`` without taps, compiled; installed as ``model.compiled`` by ``compile_model``."""
+    """``model.hidden_states`` without taps, compiled by regions; installed as ``model.compiled`` by
+    ``compile_model``: the embedding and rotary tables, then the layers in groups of ``layer_group``,
+    then the final norm, each a compiled function whose graphs every model in the process shares (a
+    model's parameters are its graphs' inputs, not constants in them: Dynamo's inlined nn.Modules,
+    and ``dspark::linear`` taking the weight)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        # Dynamo keeps one list of graphs per code object, and every model's eager_hidden_states is the
-        # same code: a worker's target and draft, each with a graph per specialisation (1 or more rows,
-        # 1 or more tokens), would pass the default limit of 8 and fall back to eager for good.
+        # Dynamo keeps one list of graphs per code object, shared by every model in the process: a
+        # worker's target and draft, each with a graph per specialisation (1 or more rows, 1 or more
+        # tokens) and group length, would pass the default limit of 8 and fall back to eager for good.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._fn = torch.compile(model.eager_hidden_states, dynamic=True)
+        self.model = model
+        layers = list(model.model.layers)
+        size = layer_group(len(layers))
+        self._groups = [(start, tuple(layers[start:start + size])) for start in range(0, len(layers), size)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Callable) -> torch.Tensor:
         previous = getattr(_local, "attention", None)
         _local.attention = attention
         try:
             # Contiguous: an expanded view (stride 0) would be a graph of its own.
-            return self._fn(input_ids.contiguous(), positions.contiguous(), _attend)
+            embed, layers, norm = _compiled()
+            x, cos, sin = embed(self.model, input_ids.contiguous(), positions.contiguous())
+            for start, group in self._groups:
+                x = layers(group, start, x, cos, sin)
+            return norm(self.model.model.norm, x)
         finally:
             _local.attention = previous
+
+
+def _embed(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+    x = model.model.embed_tokens(input_ids)
+    cos, sin = model.rope(positions, x.dtype)
+    return x, cos, sin
+
+
+def _layers(layers: tuple, start: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    for j, layer in enumerate(layers):
+        x = layer(start + j, x, cos, sin, _attend)  # start: a symbolic int, one graph for every group
+    return x
+
+
+def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+@functools.cache
+def _compiled() -> tuple[Callable, Callable, Callable]:
+    """The three compiled regions, made once per process (Dynamo is imported on first use)."""
+    return tuple(torch.compile(fn, dynamic=True) for fn in (_embed, _layers, _norm))
 
 
 def compile_model(model: torch.nn.Module) -> bool:
@@ -198,7 +261,7 @@ def compile_model(model: torch.nn.Module) -> bool:
         log.warning("compile_model: %s here, which torch.compile needs on CPU; the model runs eager "
                     "(deploy/setup.sh installs both where it can)", lacking)
         return False
-    keys: list[int] = []
+    keys: list[tuple[int, int]] = []
     for module in model.modules():
         owners = [module] if isinstance(module, Linear) else []
         owners += [value for value in vars(module).values() if isinstance(value, FusedLinears)]
@@ -206,9 +269,8 @@ def compile_model(model: torch.nn.Module) -> bool:
         # without (no oneDNN for its dtype here) is plain F.linear, which Inductor compiles itself.
         for owner in owners:
             if owner.gemm is not None and not isinstance(owner.gemm, _OpGemm):
-                key = _register(owner.gemm, owner.bias, owner.weight.shape[0])
-                keys.append(key)
-                owner.gemm = _OpGemm(key)
+                keys.append(_register(owner.gemm, owner.bias, owner.weight))
+                owner.gemm = _OpGemm(owner.weight)
     weakref.finalize(model, _forget, keys)
     model.compiled = CompiledForward(model)
     return True
