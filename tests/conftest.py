@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -17,20 +19,37 @@ REPO = Path(__file__).resolve().parent.parent
 SHIPPED_TARGET = REPO / "models" / "shakespeare-target"
 SHIPPED_DRAFT = REPO / "models" / "shakespeare-draft"
 SHIPPED_DSPARK = REPO / "models" / "shakespeare-dspark"  # the target's DSpark block draft
-# vLLM's CPU build, in a venv of its own (bench/setup_vllm.sh; tests/run.sh runs it and warns if it fails).
+# vLLM's CPU build, in a venv of its own (bench/setup_vllm.sh). tests/run.sh installs it in the background
+# while the suite runs and writes "ok" or "failed" to $DSPARK_VLLM_SETUP_STATUS when it is done; the tests
+# marked `vllm` run last (pytest_collection_modifyitems) and wait for that word.
 VLLM_PYTHON = REPO / "bench" / ".vllm-venv" / "bin" / "python"
 NO_VLLM = ("bench/.vllm-venv is missing or has no vLLM in it (bash bench/setup_vllm.sh installs it; "
-           "tests/run.sh printed why it failed)")
+           "tests/run.sh prints the end of its log after the suite)")
+VLLM_SETUP_WAIT_S = 1800.0
 
 
 @functools.cache
 def vllm_installed() -> bool:
-    """bench/.vllm-venv exists and has vLLM in it: an install that failed half-way leaves a venv without it,
-    and then every test that needs vLLM is skipped, saying so, rather than failing on an import."""
+    """bench/.vllm-venv exists and has vLLM in it, once tests/run.sh's background install (if any) is over:
+    an install that failed half-way leaves a venv without it, and then every test that needs vLLM is
+    skipped, saying so, rather than failing on an import."""
+    status = os.environ.get("DSPARK_VLLM_SETUP_STATUS")
+    if status:
+        deadline = time.monotonic() + VLLM_SETUP_WAIT_S
+        while not Path(status).is_file() and time.monotonic() < deadline:
+            time.sleep(2)
+        if not Path(status).is_file() or Path(status).read_text().strip() != "ok":
+            return False
     if not VLLM_PYTHON.is_file():
         return False
     probe = [str(VLLM_PYTHON), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
     return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("vllm") is not None and not vllm_installed():
+        pytest.skip(NO_VLLM)
+
 
 # The smallest shapes that still exercise GQA, several layers and several heads.
 TINY = dict(
@@ -148,17 +167,27 @@ def _sharing_modules(items: list[pytest.Item]) -> set[str]:
     return {_module(item) for item in items if serve_fixtures.uses_shared_serve(item)}
 
 
+def _needing_vllm(items: list[pytest.Item]) -> set[str]:
+    return {_module(item) for item in items if item.get_closest_marker("vllm") is not None}
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the modules that share ``served`` one after another (where the first of them stood, each
-    module's tests in their own order), so that one `serve run` serves them all."""
+    """Run the modules that share ``served`` one after another, so that one `serve run` serves them
+    all, and the modules with tests that need vLLM last, so that tests/run.sh's background install of
+    it has finished by then: the other modules first, then the sharing ones (those needing vLLM last
+    among them), then the rest of those needing vLLM. Each module's tests keep their own order."""
     sharing = _sharing_modules(items)
     config.stash[_SHARING] = sharing
-    if len(sharing) < 2:
-        return
-    group = [item for item in items if _module(item) in sharing]
-    first = next(i for i, item in enumerate(items) if _module(item) in sharing)
-    rest = [item for item in items if _module(item) not in sharing]
-    items[:] = rest[:first] + group + rest[first:]
+    vllm = _needing_vllm(items)
+
+    def rank(item: pytest.Item) -> int:
+        module = _module(item)
+        if module in sharing:
+            return 2 if module in vllm else 1
+        return 3 if module in vllm else 0
+
+    # sorted is stable: within a rank, modules (and tests) keep the order they were collected in
+    items[:] = sorted(items, key=rank)
 
 
 _SHARING = pytest.StashKey[set]()

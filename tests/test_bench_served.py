@@ -45,7 +45,7 @@ import pytest
 import yaml
 import torch
 
-from conftest import NO_VLLM, REPO, vllm_installed
+from conftest import REPO
 from dspark_ray.runtime.timeline import per_step_ms
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -688,7 +688,7 @@ def test_dspark_bench_served_runs_this_script(capsys):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_installed(), reason=NO_VLLM)
+@pytest.mark.vllm
 def test_vllm_benchmark_client_against_serve_run(served: ServeRun, serve_models: ServeModels, tmp_path):
     w = bench.Workload(output_len=16, num_prompts=6)
     cmd = bench.client_command(bench.vllm_cli(), served.base_url, served.model, serve_models.target, w,
@@ -884,7 +884,7 @@ def test_in_client_order_is_seeded_and_oversamples_like_vllm():
     assert chat_workload.in_client_order(items, 0, seed=0) == full  # 0: all, as vLLM takes it
 
 
-@pytest.mark.skipif(not vllm_installed(), reason=NO_VLLM)
+@pytest.mark.vllm
 def test_vllm_s_client_sends_the_prompts_in_our_order_and_its_server_renders_them_as_dspark(tmp_path):
     """vLLM 0.32's own CustomDataset (as ``vllm bench serve --dataset-name custom --seed`` builds it) picks the
     same requests in the same order as ``in_client_order``, oversampling included, and the exported folder's

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
-from conftest import NO_VLLM, VLLM_PYTHON, vllm_installed
+from conftest import VLLM_PYTHON
 from dspark_ray.engine.interfaces import SamplingRow
 from dspark_ray.engine.verifier import sample_draft_tokens
 from dspark_ray.model import TensorMissing, TensorShapeMismatch, load
@@ -323,7 +323,7 @@ def test_ring_window_equals_the_restatement_with_that_window(draft, draft_path, 
     torch.testing.assert_close(out.logits[0], logits, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(not vllm_installed(), reason=NO_VLLM)
+@pytest.mark.vllm
 @torch.no_grad()
 def test_proposals_equal_vllms(draft, draft_path, target, target_path, tmp_path):
     """vLLM's own Qwen3DSparkForCausalLM, loaded from the same checkpoint by its own loader, gives
