@@ -29,6 +29,13 @@ and one after its run, to report acceptance length) could reach two replicas, an
 their difference meant nothing: a CI run had the client report no acceptance length
 at all. The counters are written under a sequence number (odd while a write is in
 progress) and read until two reads of it agree, so a reader never mixes two steps.
+The sequence number and the open count are native 8-byte words, each stored and
+loaded by one instruction (``_load``, ``_store``): ``struct`` reads a field byte by
+byte and zeroes it before it writes it, so a reader could see a sequence number of
+0, even, in the middle of a write. That happened once in a CI-sized run: a snapshot
+with the first two draft positions of a step and zeros after them. The record also
+carries a CRC-32 of the sequence number and the counters, which catches a mixed
+read where stores may become visible out of order (aarch64: the DGX Spark).
 When a replica dies its counts leave the sum: the port's counters drop, which
 Prometheus and rate() treat as a counter reset.
 """
@@ -45,6 +52,7 @@ import struct
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 from dspark_ray.engine.outputs import SpecCounts
@@ -52,15 +60,32 @@ from dspark_ray.engine.outputs import SpecCounts
 log = logging.getLogger(__name__)
 
 CLOSE = (b"connection", b"close")
-_COUNT = struct.Struct("<q")  # at offset 0: open requests
-# After it: the sequence number, then drafts, draft tokens, accepted tokens, the number of draft
-# positions counted and the accepted count of each (num_speculative_tokens is at most 16).
+# At offset 0, a word: open requests. At 8, a word: the sequence number. Then drafts, draft tokens,
+# accepted tokens, the number of draft positions counted and the accepted count of each
+# (num_speculative_tokens is at most 16), and the CRC-32 of the sequence number and those.
+_COUNT_AT = 0
+_SEQ_AT = 8
 SPEC_POSITIONS = 16
-_SEQ = struct.Struct("<q")
 _SPEC = struct.Struct(f"<qqqq{SPEC_POSITIONS}q")
-_SEQ_AT = _COUNT.size
-_SPEC_AT = _SEQ_AT + _SEQ.size
-RECORD_SIZE = _SPEC_AT + _SPEC.size
+_CHECK = struct.Struct("<Q")
+_SPEC_AT = _SEQ_AT + 8
+RECORD_SIZE = _SPEC_AT + _SPEC.size + _CHECK.size
+
+
+def _store(buf, at: int, value: int) -> None:
+    """Store the native 8-byte word at ``at`` (8-aligned in a mapping) with one instruction."""
+    with memoryview(buf) as whole, whole[at:at + 8] as part, part.cast("q") as word:
+        word[0] = value
+
+
+def _load(buf, at: int) -> int:
+    """Load the native 8-byte word at ``at`` with one instruction (``struct`` reads byte by byte)."""
+    with memoryview(buf) as whole, whole[at:at + 8] as part, part.cast("q") as word:
+        return word[0]
+
+
+def _check(seq: int, body: bytes) -> bytes:
+    return _CHECK.pack(zlib.crc32(body, zlib.crc32(seq.to_bytes(8, "little"))))
 
 
 def board_dir() -> Path:
@@ -86,6 +111,7 @@ class LoadBoard:
         os.ftruncate(self._fd, RECORD_SIZE)
         self._mine = mmap.mmap(self._fd, RECORD_SIZE)
         self._seq = 0
+        self.publish_speculation(SpecCounts(0, 0, 0, []))  # a whole record (with its check) from the start
         os.rename(tmp, self.dir / self.name)
         self.open = 0  # open requests here
         self.closed = 0  # responses that asked the client to reconnect (Connection: close)
@@ -105,20 +131,19 @@ class LoadBoard:
 
     def _publish(self) -> None:
         if self._fd >= 0:  # after close (a response cut at shutdown ends late) there is no one to tell
-            _COUNT.pack_into(self._mine, 0, self.open)
+            _store(self._mine, _COUNT_AT, self.open)
 
     def publish_speculation(self, totals: SpecCounts) -> None:
         """This replica's speculation counters since it started (one writer thread: the engine's)."""
         per_pos = list(totals.accepted_per_position[:SPEC_POSITIONS])
         positions = len(per_pos)
         per_pos += [0] * (SPEC_POSITIONS - positions)
+        body = _SPEC.pack(totals.drafts, totals.draft_tokens, totals.accepted_tokens, positions, *per_pos)
         try:
-            self._seq += 1
-            _SEQ.pack_into(self._mine, _SEQ_AT, self._seq)  # odd: a write in progress
-            _SPEC.pack_into(self._mine, _SPEC_AT, totals.drafts, totals.draft_tokens, totals.accepted_tokens,
-                            positions, *per_pos)
-            self._seq += 1
-            _SEQ.pack_into(self._mine, _SEQ_AT, self._seq)
+            _store(self._mine, _SEQ_AT, self._seq + 1)  # odd: a write in progress
+            self._mine[_SPEC_AT:RECORD_SIZE] = body + _check(self._seq + 2, body)  # one copy, no zeroing
+            _store(self._mine, _SEQ_AT, self._seq + 2)
+            self._seq += 2
         except ValueError:  # closed (the replica is stopping): there is no one to tell
             pass
 
@@ -137,9 +162,11 @@ class LoadBoard:
             if len(view) < RECORD_SIZE:
                 continue
             for _ in range(10_000):  # a replica writes once per step, in a microsecond
-                seq = _SEQ.unpack_from(view, _SEQ_AT)[0]
-                values = _SPEC.unpack_from(view, _SPEC_AT)
-                if seq % 2 == 0 and _SEQ.unpack_from(view, _SEQ_AT)[0] == seq:
+                seq = _load(view, _SEQ_AT)
+                record = view[_SPEC_AT:RECORD_SIZE]  # one copy
+                body = record[:_SPEC.size]
+                if seq % 2 == 0 and _load(view, _SEQ_AT) == seq and record[_SPEC.size:] == _check(seq, body):
+                    values = _SPEC.unpack(body)
                     out[name] = SpecCounts(*values[:3], list(values[4:4 + min(values[3], SPEC_POSITIONS)]))
                     break
         return out
@@ -149,7 +176,7 @@ class LoadBoard:
         with self._peers_lock:
             if time.monotonic() - self._looked >= self.refresh_s:
                 self._look()
-            return {name: _COUNT.unpack_from(view, 0)[0] for name, view in self._peers.items()}
+            return {name: _load(view, _COUNT_AT) for name, view in self._peers.items()}
 
     def crowded(self) -> bool:
         """This replica holds more than one open request more than its least loaded peer."""
@@ -179,7 +206,7 @@ class LoadBoard:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:  # its replica holds it: alive
                     size = os.fstat(fd).st_size
-                    if name not in self._peers and size >= _COUNT.size:
+                    if name not in self._peers and size >= _SEQ_AT:
                         self._peers[name] = mmap.mmap(fd, min(size, RECORD_SIZE), access=mmap.ACCESS_READ)
                     continue
                 self._drop(name)  # nobody holds it: its replica died
