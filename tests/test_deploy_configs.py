@@ -139,12 +139,42 @@ def test_every_replica_service_setting_comes_from_the_app_config():
 
     keywords = list(inspect.signature(ReplicaServices.__init__).parameters)[2:]
     assert set(SERVICE_FIELDS) <= set(keywords)
-    for name in keywords:
+    for name in keywords:  # a field, or a property of fields (worker_threads: torch_threads resolved)
         if name not in ("app_name", "replica"):
-            assert SERVICE_FIELDS.get(name, name) in AppConfig.model_fields, name
+            source = SERVICE_FIELDS.get(name, name)
+            assert source in AppConfig.model_fields or isinstance(getattr(AppConfig, source, None), property), name
     changed = AppConfig(**{**app_args("shakespeare.yaml"), "worker_spin_s": 0.25, "slot_admission_timeout_s": 7.0,
                            "step_timeout_factor": 3.0, "context_path": "replica"})
     got = service_settings(changed)
     assert (got["spin_s"], got["slot_timeout_s"], got["step_timeout_factor"], got["context_path"]) == \
         (0.25, 7.0, 3.0, "replica")
     assert got["slot_capacity"] == changed.capacity and got["bind_cores"] is True
+
+
+def test_auto_threads_share_the_machines_cpus_among_the_workers(monkeypatch):
+    """torch_threads auto: the CPUs this process may use, divided among every replica's worker processes
+    (target shards, or one a machine when spread, plus a draft worker of its own), at least one each;
+    the workers get the number (service_settings). The shipped default asks for it."""
+    import os
+
+    from dspark_ray.runtime.actors import service_settings
+    from dspark_ray.serve import config as config_module
+
+    assert app_args("dspark.yaml")["torch_threads"] == "auto"
+    assert config_module.usable_cpus() == len(os.sched_getaffinity(0))
+    base = {**app_args("shakespeare.yaml"), "torch_threads": "auto"}  # two replicas, the draft in rank 0
+    monkeypatch.setattr(config_module, "usable_cpus", lambda: 8)
+    assert AppConfig(**base).worker_threads == 4
+    assert service_settings(AppConfig(**base))["torch_threads"] == 4
+    assert AppConfig(**{**base, "draft_placement": "worker"}).worker_threads == 2  # + a draft worker each
+    assert AppConfig(**{**base, "num_replicas": 1, "tensor_parallel_size": 2, "compile_model": False}).worker_threads == 4
+    assert AppConfig(**{**base, "num_replicas": 1, "tensor_parallel_size": 2, "compile_model": False,
+                        "placement_strategy": "STRICT_SPREAD"}).worker_threads == 8  # a shard a machine
+    assert AppConfig(**{**base, "num_speculative_tokens": 0, "draft_placement": "worker"}).worker_threads == 4
+    assert AppConfig(**{**base, "num_replicas": 1, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
+                     ).worker_threads == 2  # as many as may run at once
+    assert AppConfig(**{**base, "num_replicas": 16, "capacity": 64}).worker_threads == 1  # never none
+    assert AppConfig(**{**base, "torch_threads": 3}).worker_threads == 3  # a number is kept as given
+    for bad in (0, -1, "many"):
+        with pytest.raises(ValueError, match="torch_threads"):
+            AppConfig(**{**base, "torch_threads": bad})

@@ -174,6 +174,29 @@ def test_draft_in_target_rank0_serves_the_same_tokens_and_survives_a_rebuild(clu
         services.shutdown()
 
 
+def test_workers_on_two_threads_start_with_openmp_threads_that_sleep_at_once(cluster, serve_models):
+    """torch_threads 2: the target shard's and the draft worker's processes start with
+    OMP_WAIT_POLICY=PASSIVE (libgomp reads it as torch loads), beside the app's own variables; an
+    operator's value (worker_env_vars, the app's runtime_env) is kept; one thread adds nothing."""
+    from dspark_ray.runtime.actors import _worker_runtime_env
+
+    names = ("OMP_WAIT_POLICY", "DSPARK_TEST_FROM_THE_APP")
+    config = engine_config(serve_models)
+    services = start_replica_services(config, app_name="threads", replica="t0", tensor_parallel_size=1,
+                                      placement_strategy="PACK", cpus_per_shard=0.25, torch_threads=2,
+                                      slot_timeout_s=30)
+    try:
+        for actor in (services.shards[0], services.draft_worker):
+            seen = ray.get(actor.__ray_call__.remote(
+                lambda self: ({n: os.environ.get(n) for n in names}, __import__("torch").get_num_threads())))
+            assert seen == ({"OMP_WAIT_POLICY": "PASSIVE", "DSPARK_TEST_FROM_THE_APP": "kept"}, 2)
+    finally:
+        services.shutdown()
+    assert _worker_runtime_env({"OMP_WAIT_POLICY": "ACTIVE"}, 2)["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert _worker_runtime_env(None, 1) is None and _worker_runtime_env({}, 1) is None
+    assert _worker_runtime_env({"A": "b"}, 1)["env_vars"] == {"DSPARK_TEST_FROM_THE_APP": "kept", "A": "b"}
+
+
 def test_a_failing_proposal_in_the_steps_call_verifies_without_drafts(cluster, serve_models):
     """The proposer in rank 0 raises inside a one-call step: that step verifies no drafts, the engine
     counts a draft failure and resends the rows' tokens, the next steps draft again, greedy output is

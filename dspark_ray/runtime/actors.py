@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import time
 
 import ray
@@ -410,7 +411,7 @@ class ReplicaServices:
         self.tensor_parallel_size = tensor_parallel_size
         self.cpus_per_shard, self.torch_threads, self.spin_s = cpus_per_shard, torch_threads, spin_s
         self.single_thread_max_rows, self.bind_cores = single_thread_max_rows, bind_cores
-        self.runtime_env = _worker_runtime_env(worker_env_vars)
+        self.runtime_env = _worker_runtime_env(worker_env_vars, torch_threads)
         self._gpu = 1 if config.device == "cuda" else 0
         # Bundle 0 holds rank 0 and the draft worker (they share a GPU); one bundle per further rank.
         gpu = {"GPU": 1} if self._gpu else {}
@@ -520,16 +521,30 @@ class ReplicaServices:
         remove_placement_group(self.placement_group)
 
 
-def _worker_runtime_env(env_vars: dict[str, str] | None) -> dict | None:
+# The workers' environment where they run torch on more than one thread, unless the operator set the
+# variable (worker_env_vars, the application's runtime_env, or the environment Ray's processes started
+# in). NOTE: why. libgomp's threads spin for a while after each parallel region by default, on the cores
+# the quantized kernels' own threads (dspark_kernels/csrc/quant_gemm.c) and the replica want next: served
+# on the 2-core box, one replica on two threads ran 1.44x faster at one request and 1.30x at eight with
+# them sleeping at once (bench/HISTORY.md, twenty-sixth session). libgomp reads it as torch loads, so it
+# goes into the worker's environment before the process starts.
+MULTI_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _worker_runtime_env(env_vars: dict[str, str] | None, torch_threads: int = 1) -> dict | None:
     """The workers' runtime_env: this process's (the replica's: its working_dir, pip, ...) with
-    ``env_vars`` added to its env_vars. None, when there are none, inherits it unchanged.
+    ``env_vars`` added to its env_vars, and MULTI_THREAD_ENV's defaults at ``torch_threads`` of 2 or
+    more. None, when there is nothing to add, inherits it unchanged.
 
     Ray merges a child's env_vars with its parent's but takes every other field of a child's
     runtime_env as given, so the rest is copied from the parent here rather than dropped."""
-    if not env_vars:
-        return None
     parent = dict(ray.get_runtime_context().runtime_env or {})
-    return {**parent, "env_vars": {**(parent.get("env_vars") or {}), **env_vars}}
+    inherited = {**(parent.get("env_vars") or {}), **(env_vars or {})}
+    defaults = {name: value for name, value in MULTI_THREAD_ENV.items()
+                if torch_threads >= 2 and name not in inherited and name not in os.environ}
+    if not env_vars and not defaults:
+        return None
+    return {**parent, "env_vars": {**defaults, **inherited}}
 
 
 class SlotCapacityMismatch(RuntimeError):
@@ -576,7 +591,7 @@ def start_replica_services(config: EngineConfig, **kwargs) -> ReplicaServices:
 # ReplicaServices' keyword arguments that an AppConfig field of another name gives; every other one is
 # the AppConfig field of its own name (ray_services).
 SERVICE_FIELDS = {"slot_timeout_s": "slot_admission_timeout_s", "call_timeout_s": "worker_call_timeout_s",
-                  "slot_capacity": "capacity", "spin_s": "worker_spin_s"}
+                  "slot_capacity": "capacity", "spin_s": "worker_spin_s", "torch_threads": "worker_threads"}
 
 
 def service_settings(config) -> dict:

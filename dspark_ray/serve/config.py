@@ -9,6 +9,7 @@ computed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,14 @@ DERIVED_ENGINE_FIELDS = ("capacity", "pipeline", "draft_ahead")
 
 def _located(loc: tuple, message: str) -> str:
     return f"{'.'.join(map(str, loc))}: {message}" if loc else message
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; a container's cpuset), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class AppConfig(BaseModel):
@@ -151,7 +160,14 @@ class AppConfig(BaseModel):
         "(dspark_ray/model/compiled.py; docs/performance/history.md).",
     )
     cpus_per_shard: float = Field(0.5, ge=0, description="CPUs reserved per target shard and for the proposer.")
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads in each shard and the proposer.")
+    torch_threads: int | Literal["auto"] = Field(
+        1, description="torch intra-op threads (and the quantized kernels' own) in each target shard and the "
+        "draft worker. auto: this machine's CPUs (those the process may run on) divided among the worker "
+        "processes of every replica as if all ran here, max_replicas x (target shards, or one with SPREAD / "
+        "STRICT_SPREAD, + a draft worker of its own), at least 1 (worker_threads): on a 2-core laptop two replicas "
+        "get one each, on 8 cores four each. Resolved where the config is validated (each replica); set a number "
+        "on a cluster whose machines differ.",
+    )
     single_thread_max_rows: int = Field(
         0, ge=0, description="Steps of at most this many rows (requests) run on one torch thread, larger ones "
         "on torch_threads; 0: every step on torch_threads. Where the workers share a few cores with the replica, "
@@ -188,7 +204,9 @@ class AppConfig(BaseModel):
         default_factory=dict, description="Environment variables of the target shards' and the draft worker's "
         "processes, on top of the application's runtime_env env_vars (those actors only; the replica keeps its "
         "own). They are set before the process starts, so libraries that read them once at load see them: "
-        "GOMP_SPINCOUNT, say. Numbers and booleans are written as strings.",
+        "GOMP_SPINCOUNT, say. Numbers and booleans are written as strings. Workers on 2 or more torch threads "
+        "also get OMP_WAIT_POLICY=PASSIVE unless it is set here or in the environment (dspark_ray/runtime/"
+        "actors.py: MULTI_THREAD_ENV).",
     )
     slot_admission_timeout_s: float = Field(
         30.0, gt=0, description="How long admissions wait for the slot manager during an outage."
@@ -329,6 +347,13 @@ class AppConfig(BaseModel):
             out[name] = v
         return out
 
+    @field_validator("torch_threads")
+    @classmethod
+    def _valid_threads(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError(f"torch_threads must be at least 1 or 'auto', got {value}")
+        return value
+
     @field_validator("autoscaling_config")
     @classmethod
     def _valid_autoscaling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -428,6 +453,17 @@ class AppConfig(BaseModel):
         """What clients put in ``model``: served_model_name, else the folder's name or the GGUF file's stem."""
         path = Path(self.model)
         return self.served_model_name or (path.stem if is_gguf(path) else path.name)
+
+    @property
+    def worker_threads(self) -> int:
+        """torch_threads as a number: ``auto`` resolved against this machine's CPUs."""
+        if self.torch_threads != "auto":
+            return self.torch_threads
+        spread = self.placement_strategy in ("SPREAD", "STRICT_SPREAD")
+        speculates = bool(self.draft) and self.num_speculative_tokens > 0
+        own_draft = speculates and self.draft_placement == "worker" and not is_ngram(self.draft)
+        workers = self.max_replicas * ((1 if spread else self.tensor_parallel_size) + own_draft)
+        return max(1, usable_cpus() // workers)
 
     @property
     def max_replicas(self) -> int:
