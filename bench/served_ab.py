@@ -96,6 +96,9 @@ def main() -> None:
                     help="sampling temperature of every request (default 0, greedy; 1.0 is the OpenAI API's default)")
     ap.add_argument("--freeze", action=argparse.BooleanOptionalAction, default=True,
                     help="stop the application not being measured for each run (SIGSTOP/SIGCONT; default: on)")
+    ap.add_argument("--workload", choices=("random", "chat"), default="random",
+                    help="random (default): 24-token random prompts, 64 tokens each; chat: bench/served.py's "
+                         "chat workload (held-out chat prompts, each answer its natural length)")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="each prompt's and output's length uniform within len * (1 -+ r) (vLLM's "
                          "--random-range-ratio; default 0)")
@@ -106,7 +109,7 @@ def main() -> None:
     cli = vllm_cli()
     if not 0 <= args.range_ratio < 1:
         ap.error("--range-ratio must be in [0, 1)")
-    workload = Workload(temperature=args.temperature, range_ratio=args.range_ratio)
+    workload = Workload(temperature=args.temperature, range_ratio=args.range_ratio, kind=args.workload)
     app = app_of(args.yaml_a)
     model, tokenizer = app["name"], Path(as_folder(app["model"], app["dtype"]))  # a GGUF file's export
     urls = {"A": f"http://{HOST}:{args.port}", "B": f"http://{HOST}:{args.port + 1}"}
@@ -137,9 +140,10 @@ def main() -> None:
         path = path.resolve()
         return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
-    lines = [f"A: {shown(args.yaml_a)}   B: {shown(args.yaml_b)}   ({args.rounds} rounds, vLLM's client, "
+    asked = ("the chat workload (bench/chat_prompts.jsonl, natural answer lengths)" if workload.kind == "chat" else
              f"{workload.input_len}-token random prompts, {workload.output_len} tokens"
-             f"{lengths_text(workload.range_ratio)}, "
+             f"{lengths_text(workload.range_ratio)}")
+    lines = [f"A: {shown(args.yaml_a)}   B: {shown(args.yaml_b)}   ({args.rounds} rounds, vLLM's client, {asked}, "
              f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature:g}'})", "",
              "| concurrency | A tok/s (median) | B tok/s (median) | B / A (median of rounds) | per round |",
              "|---:|---:|---:|---:|---|"]

@@ -87,6 +87,36 @@ def test_paged_step_leaves_non_queries_zero_and_reads_every_layer_s_own_pools():
         torch.testing.assert_close(out[keep], want[keep], rtol=1e-5, atol=1e-5)
 
 
+def test_paged_step_on_the_pools_threads_is_the_one_thread_step_bit_for_bit():
+    """With the kernels' pool on two threads (torch_threads 2 sets it: model/quantized.py), a step's
+    (query, K/V head) pairs are shared among the threads, each computed whole by one: output and pools
+    bit for bit those of one thread, a non-query's zeros included, and the workers did compute some."""
+    from dspark_kernels import quant
+
+    lib = quant._library()
+    k_pool, v_pool, table, slots, positions, write, q, k, v = paged_case(2, 16, 3, 150, 9, 3, 64)
+    base = slots * table.shape[1]
+    base[5] = -1
+
+    def step(threads: int) -> tuple[torch.Tensor, ...]:
+        quant.set_threads(threads)
+        kp, vp = k_pool.clone(), v_pool.clone()
+        return cpu.paged_attention(q, k, v, kp, vp, write, table, base, torch.zeros_like(positions), positions), kp, vp
+
+    try:
+        alone = step(1)
+        assert torch.equal(alone[0][5], torch.zeros_like(alone[0][5]))
+        before = lib.dspark_quant_pool_worker_runs()
+        for _ in range(500):  # on a loaded box a worker may miss a short call: its caller then does it all
+            assert all(torch.equal(a, b) for a, b in zip(step(2), alone))
+            if lib.dspark_quant_pool_worker_runs() > before:
+                break
+        else:
+            raise AssertionError("the pool's workers computed no pairs in 500 steps")
+    finally:
+        quant.set_threads(1)
+
+
 def ring_case(seed: int, slots: int, ring: int, hkv: int, d: int):
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(slots + 1, ring, hkv, d, generator=g)

@@ -9,9 +9,12 @@
  * arithmetic, were a quarter of an engine step on one core.
  *
  * Plain C, no torch headers: built at first use by dspark_kernels/cpu.py with
- * the system's C compiler and called through ctypes. Single-threaded (an
- * engine process runs one torch thread per core). Inner loops over head_dim
- * are `omp simd` reductions (-fopenmp-simd: vectorised, no OpenMP runtime).
+ * the system's C compiler and called through ctypes. The target's paged step
+ * runs its (query, K/V head) pairs on the thread pool of quant_gemm.c when it
+ * has more than one thread (dspark_quant_set_threads, which follows torch's):
+ * each pair computed whole by one thread by the same code, so the bits depend
+ * on neither the threads nor the batch. Inner loops over head_dim are `omp
+ * simd` reductions (-fopenmp-simd: vectorised, no OpenMP runtime).
  *
  * Return value: 0, or a negative code for an index out of range (checked before
  * anything is written, so a bad call changes nothing):
@@ -19,6 +22,7 @@
  *   -3 a slot outside the cache, -4 a layout this build does not take, -5 out of memory.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -156,6 +160,46 @@ static int scratch(Scratch *w, int64_t keys) {
 
 static void release(Scratch *w) { free(w->s), free(w->krow), free(w->vrow); }
 
+void dspark_pool_run(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t N, int64_t work);
+
+/* One paged step's attention, its pairs (query n, K/V head h) numbered n * Hkv + h. */
+typedef struct {
+    const float *q, *k_pool, *v_pool;
+    const int32_t *key_index;
+    const int64_t *key_base, *key_lo, *key_hi;
+    int64_t Hq, Hkv, D, group;
+    float scale;
+    float *out;
+    int64_t widest; /* the most keys a query sees */
+    _Atomic int failed; /* a thread found no memory for its scratch */
+} PagedStepJob;
+
+/* Pairs i0..i1 of the job (each thread with scratch of its own). */
+static void paged_pairs(const void *args, int64_t i0, int64_t i1) {
+    const PagedStepJob *j = args;
+    const int64_t Hkv = j->Hkv, D = j->D, group = j->group;
+    Scratch w;
+    if (scratch(&w, j->widest) != 0) {
+        atomic_store(&((PagedStepJob *)j)->failed, 1);
+        return;
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+        const int64_t n = i / Hkv, kvh = i % Hkv, lo = j->key_lo[n], hi = j->key_hi[n];
+        float *o = j->out + (n * j->Hq + kvh * group) * D;
+        if (j->key_base[n] < 0 || hi < lo) { /* not a query, or it sees no key */
+            memset(o, 0, (size_t)(group * D) * sizeof(float));
+            continue;
+        }
+        const int32_t *keys = j->key_index + j->key_base[n];
+        for (int64_t kp = lo; kp <= hi; ++kp) {
+            w.krow[kp - lo] = j->k_pool + (keys[kp] * Hkv + kvh) * D;
+            w.vrow[kp - lo] = j->v_pool + (keys[kp] * Hkv + kvh) * D;
+        }
+        attend(j->q + (n * j->Hq + kvh * group) * D, group, D, w.krow, w.vrow, hi - lo + 1, j->scale, w.s, o);
+    }
+    release(&w);
+}
+
 /* The target's packed step (PackedAttention): token n's K/V go to pool index write_index[n]; then
  * query n attends over key positions key_lo[n]..key_hi[n] of its row, position kp at pool index
  * key_index[key_base[n] + kp] (int32: the request-to-token table itself, a row per slot);
@@ -182,29 +226,16 @@ int dspark_paged_attention_f32(const float *q, const float *k_new, const float *
         memcpy(k_pool + write_index[n] * token, k_new + n * token, token * sizeof(float));
         memcpy(v_pool + write_index[n] * token, v_new + n * token, token * sizeof(float));
     }
-    int64_t widest = 1;
+    PagedStepJob job = {q, k_pool, v_pool, key_index, key_base, key_lo, key_hi, Hq, Hkv, D, group, scale, out, 1, 0};
+    int64_t keys_read = 0; /* the pool's measure of work: K/V bytes read, a pass per query head */
     for (int64_t n = 0; n < N; ++n)
-        if (key_base[n] >= 0 && key_hi[n] - key_lo[n] + 1 > widest) widest = key_hi[n] - key_lo[n] + 1;
-    Scratch w;
-    if (scratch(&w, widest) != 0) return -5;
-    for (int64_t n = 0; n < N; ++n) {
-        const int64_t lo = key_lo[n], hi = key_hi[n];
-        if (key_base[n] < 0 || hi < lo) { /* not a query, or it sees no key */
-            memset(out + n * Hq * D, 0, (size_t)(Hq * D) * sizeof(float));
-            continue;
+        if (key_base[n] >= 0 && key_hi[n] >= key_lo[n]) {
+            const int64_t span = key_hi[n] - key_lo[n] + 1;
+            job.widest = span > job.widest ? span : job.widest;
+            keys_read += span;
         }
-        const int32_t *keys = key_index + key_base[n];
-        for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-            for (int64_t kp = lo; kp <= hi; ++kp) {
-                w.krow[kp - lo] = k_pool + (keys[kp] * Hkv + kvh) * D;
-                w.vrow[kp - lo] = v_pool + (keys[kp] * Hkv + kvh) * D;
-            }
-            attend(q + (n * Hq + kvh * group) * D, group, D, w.krow, w.vrow, hi - lo + 1, scale, w.s,
-                   out + (n * Hq + kvh * group) * D);
-        }
-    }
-    release(&w);
-    return 0;
+    dspark_pool_run(paged_pairs, &job, N * Hkv, keys_read * Hq * D * 2 * (int64_t)sizeof(float));
+    return atomic_load(&job.failed) ? -5 : 0;
 }
 
 /* The draft's window cache (RingAttention): each slot's ring holds position p at ring index

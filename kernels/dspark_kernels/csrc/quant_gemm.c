@@ -786,6 +786,12 @@ static void run_rows(RowsFn fn, const void *args, int64_t N, int64_t work) {
     pthread_mutex_unlock(&pool.lock);
 }
 
+/* The pool for the library's other kernels (cpu_attention.c): fn(args, i0, i1) over items 0..N, as
+ * run_rows runs a matmul's output rows, `work` in the same units (bytes read x passes). */
+void dspark_pool_run(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t N, int64_t work) {
+    run_rows(fn, args, N, work);
+}
+
 /* Threads a big call runs on, the caller included (1: every call on its caller's thread). */
 int dspark_quant_set_threads(int n) {
     if (n < 1 || n > MAX_THREADS) return -1;
