@@ -525,7 +525,7 @@ class ReplicaServices:
 # variable (worker_env_vars, the application's runtime_env, or the environment Ray's processes started
 # in). NOTE: why. libgomp's threads spin for a while after each parallel region by default, on the cores
 # the quantized kernels' own threads (dspark_kernels/csrc/quant_gemm.c) and the replica want next: served
-# on the 2-core box, one replica on two threads ran 1.44x faster at one request and 1.30x at eight with
+# on the 2-core box, one replica on two threads ran 1.40x faster at one request and 1.27x at eight with
 # them sleeping at once (bench/HISTORY.md, twenty-sixth session). libgomp reads it as torch loads, so it
 # goes into the worker's environment before the process starts.
 MULTI_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
