@@ -260,6 +260,33 @@ def test_c_kernel_takes_bias_and_leading_dims_and_refuses_bad_input():
         quant.QuantGemm(weight(quant.Q6_K, 4, 256), int8=True)
 
 
+
+@needs_c
+@pytest.mark.parametrize("qtype, int8", [(quant.Q4_1, False), (quant.Q6_K, False), (quant.Q4_1, True),
+                                         (quant.Q8_0, True)])
+def test_a_bound_gemm_is_the_call_bit_for_bit(qtype, int8):
+    """``QuantGemm.bind`` (what a compiled model's linears call): the same bits as ``__call__`` for
+    one row, leading dims, and an int8 call past the C stack's records (a buffer of its own); an x it
+    does not take short (not contiguous, another dtype) goes to the fallback, which checks it."""
+    k = 2 * block_k(qtype) if qtype == quant.Q6_K else 1536
+    w = weight(qtype, 40, k, seed=9)
+    g = torch.Generator().manual_seed(10)
+    bias = torch.randn(40, generator=g)
+    gemm = quant.QuantGemm(w, int8=int8)
+    bound, plain = gemm.bind(bias), gemm.bind()
+    for x in (torch.randn(1, k, generator=g), torch.randn(2, 3, k, generator=g), torch.randn(64, k, generator=g)):
+        assert torch.equal(bound(x), gemm(x, bias))
+        assert torch.equal(plain(x), gemm(x))
+    x = torch.randn(k, 6, generator=g)
+    assert torch.equal(bound(x.T), gemm(x.T.contiguous(), bias))  # not contiguous: through __call__
+    with pytest.raises(quant.QuantError, match=rf"x must be float32 \[\.\.\., {k}\]"):
+        bound(x.T.double())
+    seen = []
+    via = gemm.bind(bias, fallback=lambda x: seen.append(x.dtype) or gemm(x.float(), bias))
+    assert torch.equal(via(x.T.double()), gemm(x.T.float().contiguous(), bias)) and seen == [torch.float64]
+    with pytest.raises(quant.QuantError, match=r"bias must be \[40\]"):
+        gemm.bind(torch.zeros(41))
+
 def test_reference_is_the_cpu_path_when_the_kernels_are_off():
     w = weight(quant.Q4_1, 9, 64)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))

@@ -14,6 +14,7 @@ import torch
 
 from dspark_kernels import cpu, quant
 from dspark_ray.model import load
+from dspark_ray.model.compiled import missing_toolchain
 from dspark_ray.model.gguf import open_checkpoint
 from dspark_ray.model.quantized import BlockEmbedding, BlockGemm, block_bytes
 from dspark_ray.model.parallel import TensorParallel
@@ -138,3 +139,38 @@ def test_the_planner_counts_stored_bytes():
     file_bytes = open_checkpoint(smollm2_path()).nbytes
     assert abs(kept - file_bytes) < 0.01 * file_bytes  # Q4_1 blocks, the Q8_0 embedding, float32 norms
     assert plain == pytest.approx(134_515_008 * 4, rel=0.01)  # every weight in float32
+
+
+@needs_kernels
+@pytest.mark.skipif(missing_toolchain() is not None, reason=f"torch.compile on CPU: {missing_toolchain()}")
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_compiled_model_s_bound_block_matmuls_give_the_eager_logits_on_the_forward_s_threads(tmp_path, int8):
+    """compile_model puts each linear's bound short path (``BlockGemm.bind``) behind ``dspark::linear``:
+    the same kernels, so the layers' matmuls are the eager model's bits. The pool is told the torch
+    thread count once a forward, not at every matmul, and a forward on two threads gives the bits of
+    one (each output row is computed whole by one thread)."""
+    from dspark_ray.model.compiled import compile_model, warm_up
+    from dspark_ray.model.llama import CausalAttention
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype="Q4_1", embed_qtype="Q8_0", tied=True, seed=8)
+    quantization = "int8" if int8 else "auto"
+    eager, compiled = (load(path, dtype="float32", quantization=quantization) for _ in range(2))
+    assert compile_model(compiled)
+    warm_up(compiled, [(1, 1), (1, 5)])
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                for tokens in (1, 14):
+                    ids, positions = IDS[:, :tokens], torch.arange(tokens)[None]
+                    got[threads, tokens] = compiled.hidden_states(ids, positions, CausalAttention())
+                    assert quant.get_threads() == threads  # told by the compiled forward (eager runs after)
+                    want = eager.hidden_states(ids, positions, CausalAttention())
+                    # Only the elementwise code Inductor fused differs from eager (compiled.py).
+                    torch.testing.assert_close(got[threads, tokens], want, rtol=1e-4, atol=1e-4)
+        assert all(torch.equal(got[2, t], got[1, t]) for t in (1, 14))
+    finally:
+        torch.set_num_threads(before)

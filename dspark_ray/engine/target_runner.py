@@ -289,7 +289,11 @@ class TargetRunner:
             if r.chunk:  # a prefill chunk: all its KV stays, nothing comes out
                 emitted[b], accepted[b] = [], 0
         kept = [r.start + len(r.token_ids) + a for r, a in zip(rows, accepted)]
-        self.kv.truncate([r.slot for r in rows], kept)
+        # Rejected drafts' positions go back to the pool; a row that kept all it was given (a plain
+        # decode step, a prefill) has nothing to cut, and a step of only those skips the table's work.
+        cut = [(r.slot, k) for r, k, n in zip(rows, kept, counts) if k < r.start + n]
+        if cut:
+            self.kv.truncate([slot for slot, _ in cut], [k for _, k in cut])
         for r, k in zip(rows, kept):  # the prefix cache registers the blocks they filled
             if r.prefix_cache:
                 self.kv.commit(r.slot, (r.token_ids + r.draft_token_ids)[:k - r.start])

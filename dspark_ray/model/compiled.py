@@ -66,12 +66,14 @@ from collections.abc import Callable
 
 import torch
 
+from dspark_ray.model.quantized import follow_torch_threads
+
 log = logging.getLogger(__name__)
 
 _local = threading.local()
-# (weight's data pointer, out features) -> (matmul, bias, weight): the weight held, so that its memory
-# (and so its key) cannot be taken by another tensor while the entry stands.
-_gemms: dict[tuple[int, int], tuple[Callable, torch.Tensor | None, torch.Tensor]] = {}
+# (weight's data pointer, out features) -> (x -> matmul(x, bias), matmul, weight): the weight held, so
+# that its memory (and so its key) cannot be taken by another tensor while the entry stands.
+_gemms: dict[tuple[int, int], tuple[Callable, Callable, torch.Tensor]] = {}
 _lock = threading.Lock()
 
 
@@ -88,8 +90,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int)
 
 
 def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    matmul, bias, _ = _gemms[_key(weight)]
-    return matmul(x, bias).contiguous()
+    return _gemms[weight.data_ptr(), weight.shape[0]][0](x)
 
 
 _lib.impl("attention", _attention_op, "CPU")
@@ -125,12 +126,21 @@ def _key(weight: torch.Tensor) -> tuple[int, int]:
     return weight.data_ptr(), weight.shape[0]
 
 
+def _bound(matmul: Callable, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> matmul(x, bias)``, contiguous as the op's fake says: the matmul's own short path where it
+    has one (``bind``: the GGUF block kernels, ~150 calls a decode step), else a plain closure."""
+    if hasattr(matmul, "bind"):
+        return matmul.bind(bias)
+    return lambda x: matmul(x, bias).contiguous()
+
+
 def _register(matmul: Callable, bias: torch.Tensor | None, weight: torch.Tensor) -> tuple[int, int]:
     key = _key(weight)
     with _lock:
-        if key in _gemms and _gemms[key][0] is not matmul:
+        if key in _gemms and _gemms[key][1] is not matmul:
             raise ValueError(f"compile_model: two matmuls on one weight ({tuple(weight.shape)})")
-        _gemms[key] = (matmul, bias, weight)
+        if key not in _gemms:
+            _gemms[key] = (_bound(matmul, bias), matmul, weight)
     return key
 
 
@@ -213,6 +223,7 @@ class CompiledForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Callable) -> torch.Tensor:
         previous = getattr(_local, "attention", None)
         _local.attention = attention
+        follow_torch_threads()  # the kernels' pool, which the bound block matmuls no longer check (_bound)
         try:
             # Contiguous: an expanded view (stride 0) would be a graph of its own.
             embed, layers, norm = _compiled()

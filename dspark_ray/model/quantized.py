@@ -30,6 +30,7 @@ relative per matmul), so greedy answers may part from the dequantized model's af
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,9 +52,11 @@ def kernel_types(device: torch.device) -> frozenset[int]:
 _kernel_threads = 0  # what the kernels' own thread pool was last told (quant.set_threads)
 
 
-def _follow_torch_threads() -> None:
-    """The quantized matmuls run on as many threads as torch's ops (the engine sets those per worker:
-    AppConfig.torch_threads, single_thread_max_rows); their pool is told when the count changes."""
+def follow_torch_threads() -> None:
+    """The quantized matmuls (and the CPU attention, on the same pool) run on as many threads as
+    torch's ops (the engine sets those per worker and step: AppConfig.torch_threads,
+    single_thread_max_rows); their pool is told when the count changes. An eager ``BlockGemm`` checks
+    at every call, a compiled model once a forward pass (``compiled.CompiledForward``)."""
     global _kernel_threads
     n = torch.get_num_threads()
     if n != _kernel_threads:
@@ -84,6 +87,14 @@ class BlockGemm:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
+    def bind(self, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self(x, bias)`` for a compiled model's ``dspark::linear``: float32 x straight to the
+        kernel (``QuantGemm.bind``), without checking the pool's thread count (the compiled forward
+        does that once a pass: ``follow_torch_threads``); any other x through ``__call__``."""
+        if self._kernel is None:
+            return lambda x: self(x, bias)
+        return self._kernel.bind(None if bias is None else bias.float(), fallback=lambda x: self(x, bias))
+
     def __call__(
         self,
         x: torch.Tensor,  # [..., K]
@@ -94,7 +105,7 @@ class BlockGemm:
         dtype = x.dtype
         x32 = x if dtype == torch.float32 else x.float()
         if self._kernel is not None:
-            _follow_torch_threads()
+            follow_torch_threads()
             y = self._kernel(x32, None if bias is None else bias.float())
         else:
             y = quant.quant_matmul(x32, self.weight, bias)

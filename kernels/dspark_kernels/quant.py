@@ -72,13 +72,18 @@ On an AVX2 box without AVX-512 (AMD EPYC Zen 3 KVM, 2 cores, ~19 / 29 GB/s on 1 
 
 The LM head alone (Q8_0, 30 MB) at M = 1: ~2.0 ms on one thread, ~0.9-1.3 on two (~30 GB/s: the
 memory). A ``QuantGemm`` call costs ~4 us of Python and ctypes besides the kernel, which is why
-fusing (``QuantWeight.cat_rows``) saves most of what is left at M = 1.
+fusing (``QuantWeight.cat_rows``) saves most of what is left at M = 1. A compiled model's
+``dspark::linear`` calls ``QuantGemm.bind``'s short path instead (AVX2 box, 1 thread, int8, one row
+times a [64, 576] Q4_1 weight: the bare ctypes call, kernel included, 4.6 us; the op through
+``BlockGemm`` and ``__call__`` 18.2 us, through the short path 15.4, of which ~4 us is the
+dispatcher's boxed call into Python and 1.2 us ``torch.empty``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -447,6 +452,48 @@ class QuantGemm:
             raise QuantError(f"the quantized matmul refused {self.weight.format.name} "
                              f"[{self.out_features}, {k}] (error {code})")
         return y
+
+    def bind(
+        self,
+        bias: torch.Tensor | None = None,  # [N]
+        fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self(x, bias)`` with everything but x checked and resolved once: what a compiled
+        model's ``dspark::linear`` calls, ~150 times a decode step (``__call__`` spends ~5 us a call
+        on checks and argument packing). An x that is float32, contiguous and on the CPU takes the
+        short path; any other goes to ``fallback`` (default: ``__call__``, which checks it)."""
+        if bias is not None:
+            if tuple(bias.shape) != (self.out_features,):
+                raise QuantError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
+            bias = bias.detach().float().contiguous()
+        k, n, int8 = self.in_features, self.out_features, self.int8
+        call, (w, _, row_bytes, qtype) = self._call, self._args
+        bias_ptr = None if bias is None else bias.data_ptr()
+        sizes, scratch_size, f32, empty = self._scratch_bytes, self._scratch_size, torch.float32, torch.empty
+        if fallback is None:
+            def fallback(x: torch.Tensor) -> torch.Tensor:
+                return self(x, bias)
+
+        def short(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype is not f32 or x.shape[-1] != k or not x.is_contiguous() or x.is_cuda:
+                return fallback(x)
+            m = x.numel() // k
+            y = empty(x.shape[:-1] + (n,))
+            if int8:
+                size = sizes.get(m)
+                if size is None:
+                    size = sizes[m] = scratch_size(qtype, m, k)
+                scratch = empty(size, dtype=torch.uint8) if size > 0 else None
+                code = call(x.data_ptr(), m, k, w, n, row_bytes, qtype, bias_ptr, y.data_ptr(),
+                            None if scratch is None else scratch.data_ptr())
+            else:
+                code = call(x.data_ptr(), m, k, w, n, row_bytes, qtype, bias_ptr, y.data_ptr())
+            if code != 0:
+                raise QuantError(f"the quantized matmul refused {self.weight.format.name} [{n}, {k}] (error {code})")
+            return y
+
+        short.bias = bias  # held: the kernel reads it by pointer
+        return short
 
 
 @functools.cache
