@@ -53,7 +53,8 @@ def paged_case(seed: int, rows: int, fed: int, context: int, hq: int, hkv: int, 
     (1, 1, 1, 4, 2, 64, None),  # a first token: one key, itself
     (1, 5, 60, 4, 2, 64, None),  # the shipped target verifying 4 drafts
     (4, 5, 200, 8, 2, 128, None),  # four query heads a K/V head, head_dim 128
-    (3, 2, 40, 4, 4, 96, 16),  # no grouping, a head_dim without a vector path, a sliding window
+    (3, 2, 40, 4, 4, 96, 16),  # no grouping, a head_dim of 64 + 32 (AVX2: two slices), a sliding window
+    (2, 3, 19, 4, 2, 36, None),  # a head_dim without a vector path
     (2, 33, 33, 2, 1, 256, 8),  # a prefill chunk, head_dim 256
 ])
 def test_paged_step_matches_the_reference(rows, fed, context, hq, hkv, d, window):

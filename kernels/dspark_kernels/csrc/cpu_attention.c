@@ -13,8 +13,17 @@
  * runs its (query, K/V head) pairs on the thread pool of quant_gemm.c when it
  * has more than one thread (dspark_quant_set_threads, which follows torch's):
  * each pair computed whole by one thread by the same code, so the bits depend
- * on neither the threads nor the batch. Inner loops over head_dim are `omp
- * simd` reductions (-fopenmp-simd: vectorised, no OpenMP runtime).
+ * on neither the threads nor the batch. With AVX2 and FMA (head_dim a multiple
+ * of 8) `attend_avx2` computes a query head's scores eight keys at a time;
+ * elsewhere the inner loops over head_dim are `omp simd` reductions
+ * (-fopenmp-simd: vectorised, no OpenMP runtime).
+ *
+ * NOTE: one layer of a decode step of 32 rows, SmolLM2's 9 / 3 heads of 64,
+ * keys scattered over the pool, one thread of the AVX2 box (AMD EPYC Zen 3):
+ * the v16 kernels took 891 / 1824 / 4703 / 26935 us at 64 / 128 / 256 / 1024
+ * keys a row, attend_avx2 270 / 524 / 1032 / 9690 us (bench/HISTORY.md,
+ * twenty-seventh session). In process, batch 32 of the chat prompts, two
+ * threads, attention went from 18% of the steps' time to 8%.
  *
  * Return value: 0, or a negative code for an index out of range (checked before
  * anything is written, so a bad call changes nothing):
@@ -131,8 +140,85 @@ static void attend_any(const float *restrict qh, int64_t group, int64_t D, const
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 + FMA, head_dim a multiple of 8 (most laptops' and servers' x86 CPUs). The v16 kernels above
+ * reduce each key's score on its own, a horizontal sum whose shuffles and latency cost more than the
+ * key's multiply-adds: a decode step of 32 rows x 64 keys (9 / 3 heads of 64) ran at ~2.6 GFLOP-pairs
+ * a second on one core. Here eight keys' scores are reduced together (one transpose-and-add tree for
+ * the eight), and the weighted sum of values keeps up to 64 floats of the output in registers across
+ * the keys (a wider head in slices of 64). Each query head's result depends only on its own keys: the
+ * same bits whatever the batch or the threads. */
+
+/* The eight lane-sums of a[0..7], in order (a[j]'s sum in lane j). */
+static inline __m256 sum8x8(const __m256 a[8]) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+    /* q0: [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], q1 the same for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+static inline float hsum8(__m256 a) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+static void attend_avx2(const float *restrict qh, int64_t group, int64_t D, const float *const *krow,
+                        const float *const *vrow, int64_t span, float scale, float *restrict s,
+                        float *restrict o) {
+    const int64_t nv = D / 8;
+    for (int64_t g = 0; g < group; ++g) {
+        const float *q = qh + g * D;
+        int64_t j = 0;
+        for (; j + 8 <= span; j += 8) { /* scores of keys j..j+7 */
+            __m256 a[8];
+            for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nv; ++c) {
+                const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+                for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(krow[j + t] + 8 * c), a[t]);
+            }
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
+        }
+        for (; j < span; ++j) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(krow[j] + 8 * c), a);
+            s[j] = hsum8(a) * scale;
+        }
+        const __m256 inv = _mm256_set1_ps(softmax(s, span));
+        float *og = o + g * D;
+        for (int64_t c0 = 0; c0 < nv; c0 += 8) { /* 64 floats of the output at a time */
+            const int64_t w = nv - c0 < 8 ? nv - c0 : 8;
+            __m256 acc[8];
+            for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+            if (w == 8) {
+                for (int64_t k = 0; k < span; ++k) {
+                    const __m256 p = _mm256_broadcast_ss(s + k);
+                    const float *v = vrow[k] + 8 * c0;
+                    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+                }
+            } else {
+                for (int64_t k = 0; k < span; ++k) {
+                    const __m256 p = _mm256_broadcast_ss(s + k);
+                    const float *v = vrow[k] + 8 * c0;
+                    for (int64_t i = 0; i < w; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+                }
+            }
+            for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(og + 8 * (c0 + i), _mm256_mul_ps(acc[i], inv));
+        }
+    }
+}
+#endif
+
 static void attend(const float *qh, int64_t group, int64_t D, const float *const *krow,
                    const float *const *vrow, int64_t span, float scale, float *s, float *o) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        attend_avx2(qh, group, D, krow, vrow, span, scale, s, o);
+        return;
+    }
+#endif
     if (D == 64)
         attend_64(qh, group, krow, vrow, span, scale, s, o);
     else if (D == 128)
