@@ -438,20 +438,24 @@ class QuantGemm:
         if bias is not None:
             assert bias.shape == (self.out_features,) and bias.dtype == torch.float32 and bias.is_contiguous()
         assert x2.is_contiguous() and y.is_contiguous()
-        args = (x2.data_ptr(), x2.shape[0], k, *self._args, None if bias is None else bias.data_ptr(), y.data_ptr())
+        self._launch(x2.data_ptr(), x2.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr())
+        return y
+
+    def _launch(self, x_ptr: int, m: int, bias_ptr: int | None, y_ptr: int) -> None:
+        """The kernel over m contiguous rows of x into y (both checked by the caller)."""
+        k = self.in_features
         if self.int8:
             # Records of x past what the C stack holds: a buffer per call, never shared between threads.
-            size = self._scratch_bytes.get(x2.shape[0])
+            size = self._scratch_bytes.get(m)
             if size is None:
-                size = self._scratch_bytes[x2.shape[0]] = self._scratch_size(self.weight.qtype, x2.shape[0], k)
+                size = self._scratch_bytes[m] = self._scratch_size(self.weight.qtype, m, k)
             scratch = torch.empty(size, dtype=torch.uint8) if size > 0 else None
-            code = self._call(*args, None if scratch is None else scratch.data_ptr())
+            code = self._call(x_ptr, m, k, *self._args, bias_ptr, y_ptr, None if scratch is None else scratch.data_ptr())
         else:
-            code = self._call(*args)
+            code = self._call(x_ptr, m, k, *self._args, bias_ptr, y_ptr)
         if code != 0:
             raise QuantError(f"the quantized matmul refused {self.weight.format.name} "
                              f"[{self.out_features}, {k}] (error {code})")
-        return y
 
     def bind(
         self,
@@ -466,10 +470,9 @@ class QuantGemm:
             if tuple(bias.shape) != (self.out_features,):
                 raise QuantError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
             bias = bias.detach().float().contiguous()
-        k, n, int8 = self.in_features, self.out_features, self.int8
-        call, (w, _, row_bytes, qtype) = self._call, self._args
+        k, n, launch = self.in_features, self.out_features, self._launch
         bias_ptr = None if bias is None else bias.data_ptr()
-        sizes, scratch_size, f32, empty = self._scratch_bytes, self._scratch_size, torch.float32, torch.empty
+        f32, empty = torch.float32, torch.empty
         if fallback is None:
             def fallback(x: torch.Tensor) -> torch.Tensor:
                 return self(x, bias)
@@ -477,19 +480,8 @@ class QuantGemm:
         def short(x: torch.Tensor) -> torch.Tensor:
             if x.dtype is not f32 or x.shape[-1] != k or not x.is_contiguous() or x.is_cuda:
                 return fallback(x)
-            m = x.numel() // k
             y = empty(x.shape[:-1] + (n,))
-            if int8:
-                size = sizes.get(m)
-                if size is None:
-                    size = sizes[m] = scratch_size(qtype, m, k)
-                scratch = empty(size, dtype=torch.uint8) if size > 0 else None
-                code = call(x.data_ptr(), m, k, w, n, row_bytes, qtype, bias_ptr, y.data_ptr(),
-                            None if scratch is None else scratch.data_ptr())
-            else:
-                code = call(x.data_ptr(), m, k, w, n, row_bytes, qtype, bias_ptr, y.data_ptr())
-            if code != 0:
-                raise QuantError(f"the quantized matmul refused {self.weight.format.name} [{n}, {k}] (error {code})")
+            launch(x.data_ptr(), x.numel() // k, bias_ptr, y.data_ptr())
             return y
 
         short.bias = bias  # held: the kernel reads it by pointer
