@@ -937,6 +937,9 @@ int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w
  *                [16 float: dx of block l / 4][16: Q4_1 sx = dx * sum(xq), Q4_0 8 * sum(xq), in lane 4b, else 0]
  *   Q8_0:        [xq of blocks 0..1 : 64][unused : 64][16 float: dx of block l / 8]
  *                [16 int32: 128 * sum(xq) in lane 8b, else 0]
+ * The AVX2 build (no VNNI) lays x out a block at a time instead, XBLOCK bytes each, whatever the
+ * weight's type: [xq of weights 0..31 : 32][float dx][float sx = dx * sum(xq)], so that one load
+ * takes a block's integers and one its two scales.
  */
 #define RECORD 256
 
@@ -954,8 +957,17 @@ static int int8_type(int qtype, int64_t *bytes) {
 /* Records of up to this many bytes (a few rows: 3 KB a row at K = 1536) sit on the stack. */
 #define STACK_RECORDS 32768
 
+#if defined(QG_AVX2)
+#define XBLOCK 40
+#endif
+
 static int64_t records_bytes(int qtype, int64_t M, int64_t K) {
+#if defined(QG_AVX2)
+    (void)qtype;
+    return M * (K / 32) * XBLOCK;
+#else
     return M * ((K / 32 + per_group(qtype) - 1) / per_group(qtype)) * RECORD;
+#endif
 }
 
 /* Bytes of scratch the int8 path wants for M rows of K (0: its records fit on the stack). */
@@ -1033,6 +1045,16 @@ static inline void quantize_block(const float *xb, int8_t q[32], float *dx_out, 
 
 /* Rows of x [M, K] to their records (layout above). */
 static void quantize_x(const float *x, int64_t M, int64_t K, int qtype, uint8_t *records) {
+#if defined(QG_AVX2)
+    (void)qtype;
+    for (int64_t b = 0; b < M * (K / 32); ++b) { /* the rows' blocks one after another, as x's */
+        uint8_t *rec = records + b * XBLOCK;
+        float scales[2];
+        int32_t sum;
+        quantize_block(x + 32 * b, (int8_t *)rec, &scales[0], &sum, &scales[1]);
+        memcpy(rec + 32, scales, 8);
+    }
+#else
     const int64_t blocks = K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
     memset(records, 0, (size_t)(M * groups * RECORD));
     for (int64_t r = 0; r < M; ++r)
@@ -1058,6 +1080,7 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int qtype, uint8_t 
                     ((int32_t *)(rec + 192))[4 * i] = 8 * sum;
             }
         }
+#endif
 }
 
 /* One int8-path call, x already in records, as its output rows are computed. */
@@ -1215,124 +1238,123 @@ static void int8_gemm(const Int8Call *c, int64_t n0, int64_t n1) {
 #elif defined(QG_AVX2)
 /* AVX2 without VNNI (llama.cpp's way there), one 32-block at a time. A Q4 block's 16 bytes of quants
  * become 32 unsigned bytes (the low nibbles, weights 0..15, in the low lane; the high ones, 16..31,
- * in the high lane), against the record's xq of the block loaded as the same two halves. vpmaddubsw
- * multiplies unsigned by signed bytes and adds neighbours into int16 (|sum| <= 2 * 128 * 127: no
- * saturation), vpmaddwd by ones adds those pairs into int32: the block's dot product, exact, as
- * vpdpbusd gives it. Signed weights (Q8_0's, and Q4_0's with its 8 taken off) go in as |q| against xq
- * given q's sign (vpsignb). Then y += (d * dx) * dot in float32, even and odd blocks into two
- * accumulators (at one row the multiply-add's latency would bound the loop otherwise), and Q4_1's
- * m * sx into two float sums. A row of x takes the same sequence whatever rows share its tile (batch
- * invariance). */
+ * in the high lane: the order of the xq in x's block, XBLOCK above). vpmaddubsw multiplies unsigned
+ * by signed bytes and adds neighbours into int16 (|sum| <= 2 * 128 * 127: no saturation), vpmaddwd
+ * by ones adds those pairs into int32: the block's dot product, exact, as vpdpbusd gives it. Signed
+ * weights (Q8_0's, and Q4_0's with its 8 taken off) go in as |q| against xq given q's sign (vpsignb).
+ *
+ * The scales: the weight block's (d, m) as two floats (one vcvtph2ps) times x's (dx, sx) give
+ * (d * dx, m * sx) in one multiply; y += (d * dx) * dot in float32 (one ymm accumulator a result),
+ * and Q4_1's m * sx adds into lane 1 of an xmm accumulator. Every result (row of x, output row) is
+ * that sequence over its blocks, in block order, whatever tile computes it (a tile: R rows of x, 1 to
+ * ROWS, times one output row at a time; each weight block decoded once for the R rows), so a row's
+ * result is the same bits whatever rows share its call (batch invariance).
+ *
+ * Measured on a Zen 3 core (bench/quant_gemm.py --step --fused, 1 thread): against llama.cpp-style
+ * two-accumulator tiles that loaded x's halves apart, 11.5 -> 9.5 ms a SmolLM2 step at M = 1 and
+ * 193 -> 134 ms at M = 32. Tiles of 2 or 4 output rows at a time (x's blocks loaded once for them)
+ * were slower at M = 1 (the LM head's Q8_0 1.8-2x), and two accumulators a result no faster. */
 
-/* A Q4 block's quants as 32 unsigned bytes 0..15, in weight order. */
-static inline __m256i q4_bytes(const uint8_t *qs) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
-                            _mm256_set1_epi8(15));
+/* The weight block's 32 quants as bytes: Q4 as unsigned 0..15 (one 16-byte broadcast, the high lane
+ * shifted by 4), Q8_0 as they are. */
+static inline __m256i q4_quants(const uint8_t *qs) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
 }
 
-/* Block i of a Q4 record's group: its 32 xq in weight order. */
-static inline __m256i xq_q4(const uint8_t *rec, int64_t i) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rec + 16 * i))),
-                                   _mm_loadu_si128((const __m128i *)(rec + 64 + 16 * i)), 1);
+/* The block's scales as floats: (d, m) for Q4_1, (d, 0) for the others. */
+static inline __m128 scales_dm(const uint8_t *blk) {
+    int32_t h;
+    memcpy(&h, blk, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+}
+static inline __m128 scales_d(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
 }
 
-/* The dot product of unsigned bytes u and signed bytes s as 8 exact int32 partial sums, in floats. */
-static inline __m256 dot8(__m256i u, __m256i s) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+/* One weight block decoded: u the unsigned bytes that meet x, q the signs x takes (signed types), sc
+ * its scales. */
+typedef struct {
+    __m256i u, q;
+    __m128 sc;
+} WBlock;
+
+static inline __attribute__((always_inline)) WBlock wblock(int qtype, const uint8_t *blk) {
+    WBlock w;
+    if (qtype == Q4_1) {
+        w.u = q4_quants(blk + 4), w.q = w.u, w.sc = scales_dm(blk);
+    } else if (qtype == Q4_0) {
+        w.q = _mm256_sub_epi8(q4_quants(blk + 2), _mm256_set1_epi8(8));
+        w.u = _mm256_abs_epi8(w.q), w.sc = scales_d(blk);
+    } else {
+        w.q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        w.u = _mm256_abs_epi8(w.q), w.sc = scales_d(blk);
+    }
+    return w;
 }
 
-/* Block bi of a weight row (blk: its bytes) into accumulators P of every row of x. */
-static inline void avx2_q4_1(int R, int P, const uint8_t *blk, int64_t bi, const uint8_t *xr, int64_t groups,
-                             __m256 acc[][2], float accm[][2]) {
-    const __m256i q = q4_bytes(blk + 4);
-    const float d = half(blk), m = half(blk + 2);
-    for (int r = 0; r < R; ++r) {
-        const uint8_t *rec = xr + (r * groups + bi / 4) * RECORD;
-        const int64_t i = bi % 4;
-        acc[r][P] = MADD8(dot8(q, xq_q4(rec, i)), _mm256_set1_ps(d * ((const float *)(rec + 128))[4 * i]),
-                                    acc[r][P]);
-        accm[r][P] += m * ((const float *)(rec + 192))[4 * i];
+/* The tile: R rows of x (blocks from xr, a row every xstride bytes) times count output rows of w. */
+static inline __attribute__((always_inline)) void int8_tile(int qtype, int R, const uint8_t *xr, int64_t xstride,
+                                                             int64_t blocks, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t count, float *y, int64_t ldy) {
+    const int64_t size = qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = 0; n < count; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        __m256 acc[ROWS];
+        __m128 accm[ROWS];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const WBlock wb = wblock(qtype, row + b * size);
+            for (int r = 0; r < R; ++r) {
+                const uint8_t *xb = xr + r * xstride + b * XBLOCK;
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)xb);
+                const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double *)(xb + 32)));
+                const __m256i xv = qtype == Q4_1 ? xq : _mm256_sign_epi8(xq, wb.q);
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wb.u, xv), ones));
+                const __m128 s = _mm_mul_ps(wb.sc, xs); /* (d * dx, m * sx) */
+                acc[r] = MADD8(dot, _mm256_broadcastss_ps(s), acc[r]);
+                if (qtype == Q4_1) accm[r] = _mm_add_ps(accm[r], s);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+            const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            float v = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+            if (qtype == Q4_1) v += _mm_cvtss_f32(_mm_shuffle_ps(accm[r], accm[r], 1));
+            y[r * ldy + n] = v;
+        }
     }
 }
-
-static inline void avx2_q4_0(int R, int P, const uint8_t *blk, int64_t bi, const uint8_t *xr, int64_t groups,
-                             __m256 acc[][2], float accm[][2]) {
-    (void)accm;
-    const __m256i q = _mm256_sub_epi8(q4_bytes(blk + 2), _mm256_set1_epi8(8)), aq = _mm256_sign_epi8(q, q);
-    const float d = half(blk);
-    for (int r = 0; r < R; ++r) {
-        const uint8_t *rec = xr + (r * groups + bi / 4) * RECORD;
-        const int64_t i = bi % 4;
-        acc[r][P] = MADD8(dot8(aq, _mm256_sign_epi8(xq_q4(rec, i), q)),
-                                    _mm256_set1_ps(d * ((const float *)(rec + 128))[4 * i]), acc[r][P]);
-    }
-}
-
-static inline void avx2_q8_0(int R, int P, const uint8_t *blk, int64_t bi, const uint8_t *xr, int64_t groups,
-                             __m256 acc[][2], float accm[][2]) {
-    (void)accm;
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), aq = _mm256_sign_epi8(q, q);
-    const float d = half(blk);
-    for (int r = 0; r < R; ++r) {
-        const uint8_t *rec = xr + (r * groups + bi / 2) * RECORD;
-        const int64_t i = bi % 2;
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(rec + 32 * i));
-        acc[r][P] = MADD8(dot8(aq, _mm256_sign_epi8(xq, q)),
-                                    _mm256_set1_ps(d * ((const float *)(rec + 128))[8 * i]), acc[r][P]);
-    }
-}
-
-/* R rows of x (records xr, `groups` a row) times `count` weight rows from w, one row after another. */
-#define INT8_TILE(NAME, BLOCK, SIZE, R)                                                                       \
-    static void NAME(const uint8_t *xr, int64_t groups, int64_t blocks, const uint8_t *w, int64_t row_bytes,  \
-                     int64_t count, float *y, int64_t ldy) {                                                  \
-        for (int64_t n = 0; n < count; ++n) {                                                                 \
-            const uint8_t *row = w + n * row_bytes;                                                           \
-            __m256 acc[R][2];                                                                                 \
-            float accm[R][2];                                                                                 \
-            for (int r = 0; r < R; ++r) {                                                                     \
-                acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                                  \
-                accm[r][0] = accm[r][1] = 0.0f;                                                               \
-            }                                                                                                 \
-            int64_t b = 0;                                                                                    \
-            for (; b + 1 < blocks; b += 2) {                                                                  \
-                BLOCK(R, 0, row + b * SIZE, b, xr, groups, acc, accm);                                        \
-                BLOCK(R, 1, row + (b + 1) * SIZE, b + 1, xr, groups, acc, accm);                              \
-            }                                                                                                 \
-            if (b < blocks) BLOCK(R, 0, row + b * SIZE, b, xr, groups, acc, accm);                            \
-            for (int r = 0; r < R; ++r) {                                                                     \
-                const __m256 s8 = _mm256_add_ps(acc[r][0], acc[r][1]);                                        \
-                const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));       \
-                const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                      \
-                y[r * ldy + n] =                                                                              \
-                    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + (accm[r][0] + accm[r][1]);     \
-            }                                                                                                 \
-        }                                                                                                     \
-    }
 
 typedef void (*Int8Tile)(const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
-#define INT8_TILES(T, BLOCK, SIZE)                                                                            \
-    INT8_TILE(int8_##T##_1, BLOCK, SIZE, 1)                                                                   \
-    INT8_TILE(int8_##T##_2, BLOCK, SIZE, 2)                                                                   \
-    INT8_TILE(int8_##T##_3, BLOCK, SIZE, 3)                                                                   \
-    INT8_TILE(int8_##T##_4, BLOCK, SIZE, 4)                                                                   \
+#define INT8_TILE(T, QT, R)                                                                                   \
+    static void int8_##T##_##R(const uint8_t *xr, int64_t xstride, int64_t blocks, const uint8_t *w,          \
+                               int64_t row_bytes, int64_t count, float *y, int64_t ldy) {                     \
+        int8_tile(QT, R, xr, xstride, blocks, w, row_bytes, count, y, ldy);                                   \
+    }
+#define INT8_TILES(T, QT)                                                                                     \
+    INT8_TILE(T, QT, 1)                                                                                       \
+    INT8_TILE(T, QT, 2)                                                                                       \
+    INT8_TILE(T, QT, 3)                                                                                       \
+    INT8_TILE(T, QT, 4)                                                                                       \
     static const Int8Tile int8_##T[ROWS + 1] = {0, int8_##T##_1, int8_##T##_2, int8_##T##_3, int8_##T##_4};
-INT8_TILES(q4_0, avx2_q4_0, 18)
-INT8_TILES(q4_1, avx2_q4_1, 20)
-INT8_TILES(q8_0, avx2_q8_0, 34)
+INT8_TILES(q4_0, Q4_0)
+INT8_TILES(q4_1, Q4_1)
+INT8_TILES(q8_0, Q8_0)
 
 /* Output rows n0..n1 of the call c (panels of PANEL, each swept by passes of ROWS rows of x). */
 static void int8_gemm(const Int8Call *c, int64_t n0, int64_t n1) {
     const int qtype = c->qtype;
-    const int64_t M = c->M, N = c->N, row_bytes = c->row_bytes;
-    const int64_t blocks = c->K / 32, pg = per_group(qtype), groups = (blocks + pg - 1) / pg;
+    const int64_t M = c->M, N = c->N, row_bytes = c->row_bytes, blocks = c->K / 32, xstride = blocks * XBLOCK;
     const Int8Tile *tiles = qtype == Q8_0 ? int8_q8_0 : qtype == Q4_1 ? int8_q4_1 : int8_q4_0;
     for (int64_t p = n0; p < n1; p += PANEL) {
         const int64_t width = n1 - p < PANEL ? n1 - p : PANEL;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            tiles[rows](c->records + m0 * groups * RECORD, groups, blocks, c->w + p * row_bytes, row_bytes, width,
+            tiles[rows](c->records + m0 * xstride, xstride, blocks, c->w + p * row_bytes, row_bytes, width,
                         c->y + m0 * N + p, N);
         }
     }
