@@ -27,7 +27,7 @@ from dspark_ray.engine.engine import Engine
 from dspark_ray.engine.ngram_proposer import NgramProposer
 from dspark_ray.engine.structured import GrammarCompiler, SlotGrammars
 from dspark_ray.engine.target_runner import PREFIX_BLOCK, TargetRunner
-from dspark_ray.model import ModelConfig, load
+from dspark_ray.model import ModelConfig, load, native
 from dspark_ray.model.compiled import compile_model, warm_up
 from dspark_ray.model.dspark import DSparkConfig, TargetHeads, check_fits, is_dspark_checkpoint, load_dspark
 from dspark_ray.model.llama import CausalLM
@@ -93,6 +93,10 @@ def make_target_runner(config: EngineConfig, vocab_limit: int | None, tp: Tensor
     kv_tokens = config.kv_tokens if plan is None else cuda_pool_tokens(config, plan, tp)
     taps = DSparkConfig.from_path(config.draft).target_layer_ids if uses_dspark(config) else None
     prefix_block = PREFIX_BLOCK if config.enable_prefix_caching and taps is None else None
+    if taps is None:
+        # GGUF blocks kept on the CPU: a step on the C attention runs every layer in one C call
+        # (before compile_model, whose op then stands in for the linears' block matmuls).
+        native.attach(model)
     if config.compile_model and taps is None:
         # A target with taps (a DSpark draft) runs eager: its passes want the tapped layers.
         compile_model(model)

@@ -189,6 +189,7 @@ class CausalLM(nn.Module):
 
     lm_gemm = None  # PackedGemm of lm_weight | None (dspark_ray.model.cpu_gemm)
     compiled = None  # CompiledForward | None: hidden_states compiled (dspark_ray.model.compiled)
+    native = None  # NativeForward | None: the layers in one C call (dspark_ray.model.native)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -219,8 +220,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [B, T, hidden], after the final norm
         """``taps``: layer ids (-1: the embedding output) whose residual stream output is also wanted;
         each entry is set to that layer's ``[B, T, hidden]`` output (a DSpark draft's context,
-        ``dspark_ray.model.dspark.tap_hidden_states``). Runs the compiled forward when the model has
-        one (``compile_model``) and the call gives positions and attention and wants no taps."""
+        ``dspark_ray.model.dspark.tap_hidden_states``). Runs the native layers when the model has them
+        (``native.attach``) and the attention is the C kernel's, else the compiled forward when the
+        model has one (``compile_model``); either when the call gives positions and attention and
+        wants no taps."""
+        if self.native is not None and taps is None and positions is not None and self.native.takes(attention):
+            return self.native(input_ids, positions, attention)
         if self.compiled is not None and taps is None and positions is not None and attention is not None:
             return self.compiled(input_ids, positions, attention)
         return self.eager_hidden_states(input_ids, positions, attention, taps)

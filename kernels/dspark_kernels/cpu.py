@@ -12,6 +12,11 @@ the draft's attention went from ~175 to ~40 us a layer and the target's from
 torch path for any other dtype, for CUDA tensors, or when the kernels are
 off or could not be built.
 
+``Decoder`` (``csrc/cpu_decoder.c``): a Llama-family decoder's layers over
+one packed step in one call, their linears GGUF blocks kept (``quant``'s
+kernels) and their attention ``PagedStep``'s (``dspark_ray/model/native.py``
+says when it is used).
+
 ``Bf16Gemm`` (``csrc/cpu_gemm.c``): a small matmul of a float32 weight of
 bfloat16 values from a bfloat16 copy, every product and sum in float32
 (``dspark_ray/model/cpu_gemm.py`` says when it is used).
@@ -39,6 +44,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +53,8 @@ from dspark_kernels import ops
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.c", "cpu_gemm.c", "quant_gemm.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.c", "cpu_gemm.c", "quant_gemm.c",
+                                                                              "cpu_decoder.c"))
 FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared", "-Werror=implicit-function-declaration")
 _ERRORS = {
     -1: "a write index is outside the KV cache",
@@ -55,6 +62,11 @@ _ERRORS = {
     -3: "a slot is outside the window cache",
     -4: "head counts or head_dim this build does not take",
     -5: "out of memory",
+}
+_DECODER_ERRORS = {
+    -1: "a matmul refused its weight (shape or type)",
+    -2: "the attention refused the step (an index outside the table or the KV pool, or head counts)",
+    -3: "out of memory",
 }
 
 
@@ -148,6 +160,8 @@ def library() -> ctypes.CDLL | None:
     lib.dspark_ring_attention_f32.restype = ctypes.c_int
     lib.dspark_gemm_bf16w.argtypes = [p, i64, i64, p, i64, p, p, p]
     lib.dspark_gemm_bf16w.restype = None
+    lib.dspark_decoder_f32.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, f32, p, p]
+    lib.dspark_decoder_f32.restype = ctypes.c_int
     return lib
 
 
@@ -251,6 +265,132 @@ class RingStep:
                           hq, hkv, d, d ** -0.5, out.data_ptr()))
         self._covered = True
         return out
+
+
+class _Gemm(ctypes.Structure):  # csrc/cpu_decoder.c's DecoderGemm
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64), ("qtype", ctypes.c_int32), ("int8", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):  # DecoderLayer
+    _fields_ = [("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p), ("qkv", _Gemm), ("o", _Gemm),
+                ("gate_up", _Gemm), ("down", _Gemm)]
+
+
+class _Step(ctypes.Structure):  # DecoderStep
+    _fields_ = [("write_index", ctypes.c_void_p), ("key_base", ctypes.c_void_p), ("key_lo", ctypes.c_void_p),
+                ("key_hi", ctypes.c_void_p), ("table", ctypes.c_void_p), ("table_numel", ctypes.c_int64),
+                ("pool_rows", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class BlockLinear:
+    """A linear kept as GGUF blocks, for ``Decoder``: ``blocks`` uint8 [out, row bytes] of type ``qtype``
+    (a ``quant.FORMATS`` id), ``int8``: activations rounded to int8 (Q8_0, Q4_0, Q4_1 only), ``bias``
+    float32 [out] or None."""
+
+    blocks: torch.Tensor
+    qtype: int
+    int8: bool = False
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer for ``Decoder``: the two RMSNorms' weights (float32 [hidden]), q/k/v fused (rows q,
+    then k, then v), o, gate/up fused (rows gate, then up), down."""
+
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    qkv: BlockLinear
+    o: BlockLinear
+    gate_up: BlockLinear
+    down: BlockLinear
+
+
+class Decoder:
+    """A Llama-family decoder's layers (RMSNorm, fused q/k/v, rotary, paged attention, o, RMSNorm,
+    fused gate/up, SiLU x up, down, the residual adds) over one packed step, in one C call
+    (csrc/cpu_decoder.c). The weights are checked here, once; the tensors are held (the kernel reads
+    them by pointer).
+
+    Raises:
+      CpuKernelError: the kernels are not built here, or a weight does not fit the shapes."""
+
+    def __init__(self, layers: list[DecoderLayerWeights], hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float) -> None:
+        from dspark_kernels import quant
+
+        lib = library()
+        if lib is None:
+            raise CpuKernelError("the CPU kernels are off or not built here")
+        if not layers or heads % kv_heads or head_dim % 2:
+            raise CpuKernelError(f"{len(layers)} layers, {heads} heads over {kv_heads}, head_dim {head_dim}")
+        self.dims = (hidden, heads, kv_heads, head_dim, intermediate)
+        self.eps, self.scale = float(eps), head_dim ** -0.5
+        width = (heads + 2 * kv_heads) * head_dim
+        shapes = {"qkv": (width, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * intermediate, hidden),
+                  "down": (hidden, intermediate)}
+        self._held: list[torch.Tensor] = []
+        self._layers = (_Layer * len(layers))()
+        for i, layer in enumerate(layers):
+            for name in ("norm_in", "norm_post"):
+                norm = getattr(layer, name)
+                if norm.dtype != torch.float32 or tuple(norm.shape) != (hidden,) or not norm.is_contiguous():
+                    raise CpuKernelError(f"layer {i}'s {name} must be contiguous float32 [{hidden}]")
+                self._held.append(norm)
+                setattr(self._layers[i], name, norm.data_ptr())
+            for name, (n, k) in shapes.items():
+                lin: BlockLinear = getattr(layer, name)
+                fmt = quant.FORMATS.get(lin.qtype)
+                if fmt is None or k % fmt.block or tuple(lin.blocks.shape) != (n, k // fmt.block * fmt.nbytes) \
+                        or lin.blocks.dtype != torch.uint8 or not lin.blocks.is_contiguous() or lin.blocks.is_cuda:
+                    raise CpuKernelError(f"layer {i}'s {name} must be contiguous uint8 blocks of [{n}, {k}] on the "
+                                         f"CPU, got {lin.blocks.dtype} {tuple(lin.blocks.shape)}")
+                if lin.int8 and lin.qtype not in quant.INT8_TYPES:
+                    raise CpuKernelError(f"layer {i}'s {name}: int8 activations take Q8_0, Q4_0, Q4_1, not {fmt.name}")
+                bias = None
+                if lin.bias is not None:
+                    if tuple(lin.bias.shape) != (n,):
+                        raise CpuKernelError(f"layer {i}'s {name} bias must be [{n}], got {tuple(lin.bias.shape)}")
+                    bias = lin.bias.detach().float().contiguous()
+                    self._held.append(bias)
+                self._held.append(lin.blocks)
+                setattr(self._layers[i], name, _Gemm(lin.blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                                                     n, lin.blocks.shape[1], lin.qtype, int(lin.int8)))
+        self._pools: tuple[list, ctypes.Array, ctypes.Array] | None = None
+        self._call = lib.dspark_decoder_f32
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [N, hidden] float32, contiguous: the residual stream, updated in place
+        cos: torch.Tensor,  # [N, head_dim] float32
+        sin: torch.Tensor,  # [N, head_dim] float32
+        step: PagedStep,  # the step's attention: its pools (a layer each), indices and table
+    ) -> torch.Tensor:  # x
+        hidden, heads, kv_heads, head_dim, intermediate = self.dims
+        n = x.shape[0]
+        if x.dtype != torch.float32 or x.shape != (n, hidden) or not x.is_contiguous() or n != step._step[6]:
+            raise CpuKernelError(f"x must be contiguous float32 [{step._step[6]}, {hidden}], got {x.dtype} "
+                                 f"{tuple(x.shape)}")
+        for t in (cos, sin):
+            if t.dtype != torch.float32 or t.shape != (n, head_dim) or not t.is_contiguous():
+                raise CpuKernelError(f"cos and sin must be contiguous float32 [{n}, {head_dim}]")
+        if len(step.k_pools) != len(self._layers) or step.k_pools[0].shape[1:] != (kv_heads, head_dim):
+            raise CpuKernelError(f"the step's pools ({len(step.k_pools)} of {tuple(step.k_pools[0].shape)}) do not "
+                                 f"fit {len(self._layers)} layers of {kv_heads} KV heads of {head_dim}")
+        if self._pools is None or self._pools[0] is not step.k_pools:  # the runner's lists: built once
+            pointers = ctypes.c_void_p * len(self._layers)
+            self._pools = (step.k_pools, pointers(*(p.data_ptr() for p in step.k_pools)),
+                           pointers(*(p.data_ptr() for p in step.v_pools)))
+        write, table, table_numel, base, lo, hi, _, pool_rows = step._step
+        code = self._call(self._layers, len(self._layers), self._pools[1], self._pools[2],
+                          ctypes.byref(_Step(write, base, lo, hi, table, table_numel, pool_rows)), x.data_ptr(), n,
+                          hidden, heads, kv_heads, head_dim, intermediate, self.eps, self.scale, cos.data_ptr(),
+                          sin.data_ptr())
+        if code != 0:
+            raise CpuKernelError(_DECODER_ERRORS.get(code, f"error {code}"))
+        return x
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
