@@ -35,6 +35,11 @@ bound as ``--vllm-binds`` say (all: one on each core 0..batch-threads-1, as benc
 ``all``; auto: vLLM's own choice, which on a 2-core x86 box keeps one core for its engine core);
 vLLM's better bind is the one compared.
 
+dspark's worker runs with OMP_WAIT_POLICY=PASSIVE, as a served worker on two or more threads does
+(``runtime.actors.MULTI_THREAD_ENV``): otherwise torch's OpenMP threads, spinning after the step's
+small sampling ops, hold the cores the kernels' own pool wants (single stream at 2 threads, int8:
+8.5 -> 6.8 ms a token).
+
 NOTE: the method (bench/served.py's). Every system is a process of its own
 (bench/quantized_worker.py, in its own venv), started and loaded once, then
 driven over a pipe; while one runs, every other is stopped (SIGSTOP to its
@@ -95,6 +100,7 @@ from served import (
 )
 
 from dspark_ray.ops.processes import stop_process
+from dspark_ray.runtime.actors import MULTI_THREAD_ENV
 
 WORKER = BENCH_DIR / "quantized_worker.py"
 PYTHONS = {"dspark": Path(sys.executable), "llamacpp": BENCH_DIR / ".llamacpp-venv" / "bin" / "python",
@@ -625,7 +631,11 @@ def start_workers(systems: list[System], args: argparse.Namespace, w: Workload, 
         if s in running:
             continue
         try:
-            env = vllm_server_env(args.batch_threads, s.bind) if s.backend == "vllm" else None
+            env = None
+            if s.backend == "vllm":
+                env = vllm_server_env(args.batch_threads, s.bind)
+            elif s.backend == "dspark":  # what a served worker on 2+ threads gets (runtime/actors.py)
+                env = dict(MULTI_THREAD_ENV)
             worker = Worker(s, setup_of(s, args, w, capacity[s]), logs / f"{s.label.replace(' ', '_')}.log", env,
                             args.command_timeout)
         except SystemUnavailable as exc:
