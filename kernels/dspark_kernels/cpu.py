@@ -162,6 +162,8 @@ def library() -> ctypes.CDLL | None:
     lib.dspark_gemm_bf16w.restype = None
     lib.dspark_decoder_f32.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, f32, p, p]
     lib.dspark_decoder_f32.restype = ctypes.c_int
+    lib.dspark_silu_mul_f32.argtypes = [p, i64, i64, p]
+    lib.dspark_silu_mul_f32.restype = None
     return lib
 
 
@@ -391,6 +393,17 @@ class Decoder:
         if code != 0:
             raise CpuKernelError(_DECODER_ERRORS.get(code, f"error {code}"))
         return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``Decoder``'s SiLU x up on its own: gate_up [N, 2I] float32 (rows [gate | up]) -> [N, I]."""
+    n, width = gate_up.shape
+    if gate_up.dtype != torch.float32 or width % 2:
+        raise CpuKernelError(f"gate_up must be float32 [N, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}")
+    gate_up = gate_up.contiguous()
+    out = torch.empty(n, width // 2)
+    library().dspark_silu_mul_f32(gate_up.data_ptr(), n, width // 2, out.data_ptr())
+    return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,

@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                           int qtype, const float *bias, float *y);
@@ -94,6 +97,50 @@ static void rope(float *y, int64_t N, int64_t stride, int64_t heads, int64_t D, 
         }
 }
 
+/* act[n, i] = silu(gate) * up = gate / (1 + exp(-gate)) * up, gu's rows [gate | up] of 2I. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for 8 floats, Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 polynomial,
+ * times 2^n through the exponent's bits; within 2 ulp of expf over the clamped range (x outside
+ * -87.3..88.3 takes its end: silu's 1 + exp(-g) is then g's 1 or a huge number, either way the
+ * quotient's right value to float32). ~20 instructions for 8, against ~8 ns a scalar expf. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: exact n * hi */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+static void silu_mul(const float *gu, int64_t N, int64_t I, float *act) {
+    for (int64_t n = 0; n < N; ++n) {
+        const float *gate = gu + n * 2 * I, *up = gate + I;
+        float *out = act + n * I;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, den), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < I; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* silu_mul over [N, 2I] -> [N, I], on its own: what the tests hold to float64. */
+void dspark_silu_mul_f32(const float *gu, int64_t N, int64_t I, float *act) { silu_mul(gu, N, I, act); }
+
 int dspark_decoder_f32(const DecoderLayer *layers, int64_t L, float *const *k_pools, float *const *v_pools,
                        const DecoderStep *step, float *x, int64_t N, int64_t H, int64_t Hq, int64_t Hkv,
                        int64_t D, int64_t I, float eps, float scale, const float *cos, const float *sin) {
@@ -139,11 +186,7 @@ int dspark_decoder_f32(const DecoderLayer *layers, int64_t L, float *const *k_po
         for (int64_t i = 0; i < N * H; ++i) x[i] += h[i];
         rmsnorm(x, ly->norm_post, N, H, eps, h);
         if ((code = gemm(&ly->gate_up, h, N, H, gu, scratch)) != 0) break;
-        for (int64_t n = 0; n < N; ++n)
-            for (int64_t i = 0; i < I; ++i) {
-                const float g = gu[n * 2 * I + i];
-                act[n * I + i] = g / (1.0f + expf(-g)) * gu[n * 2 * I + I + i];
-            }
+        silu_mul(gu, N, I, act);
         if ((code = gemm(&ly->down, act, N, I, h, scratch)) != 0) break;
         for (int64_t i = 0; i < N * H; ++i) x[i] += h[i];
     }
