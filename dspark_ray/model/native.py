@@ -77,15 +77,13 @@ class NativeForward:
     def __init__(self, model: torch.nn.Module) -> None:
         from dspark_kernels import cpu
 
+        def block(lin) -> cpu.BlockLinear:  # a linear's kept blocks (its BlockGemm's) and bias
+            return cpu.BlockLinear(lin.gemm.weight.blocks, lin.gemm.weight.qtype, lin.gemm.int8, lin.bias)
+
         cfg = model.config
         layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-
-            def block(lin) -> cpu.BlockLinear:
-                gemm = lin.gemm
-                return cpu.BlockLinear(gemm.weight.blocks, gemm.weight.qtype, gemm.int8, lin.bias)
-
             layers.append(cpu.DecoderLayerWeights(
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 block(attn.fused_qkv), block(attn.o_proj), block(mlp.fused_gate_up), block(mlp.down_proj)))

@@ -291,13 +291,12 @@ static void paged_pairs(const void *args, int64_t i0, int64_t i1) {
  * key_index[key_base[n] + kp] (int32: the request-to-token table itself, a row per slot);
  * key_base[n] < 0: not a query, zeros. q/out [N, Hq, D]; k_new/v_new [N, Hkv, D];
  * k_pool/v_pool [P, Hkv, D]; all contiguous. */
-int dspark_paged_attention_f32(const float *q, const float *k_new, const float *v_new, float *k_pool,
-                               float *v_pool, const int64_t *write_index, const int32_t *key_index,
-                               int64_t key_count, const int64_t *key_base, const int64_t *key_lo,
-                               const int64_t *key_hi, int64_t N, int64_t P, int64_t Hq, int64_t Hkv,
-                               int64_t D, float scale, float *out) {
+/* The step's checks, apart so that a caller running many layers over one step (cpu_decoder.c) makes
+ * them once: 0, or the error the step gets. */
+int dspark_paged_step_check(const int64_t *write_index, const int32_t *key_index, int64_t key_count,
+                            const int64_t *key_base, const int64_t *key_lo, const int64_t *key_hi, int64_t N,
+                            int64_t P, int64_t Hq, int64_t Hkv, int64_t D) {
     if (Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > MAX_GROUP || D <= 0 || D > MAX_HEAD_DIM) return -4;
-    const int64_t group = Hq / Hkv;
     for (int64_t n = 0; n < N; ++n) {
         if (write_index[n] < 0 || write_index[n] >= P) return -1;
         if (key_base[n] < 0) continue;
@@ -307,6 +306,15 @@ int dspark_paged_attention_f32(const float *q, const float *k_new, const float *
             if (row < 0 || row >= P) return -2;
         }
     }
+    return 0;
+}
+
+/* dspark_paged_attention_f32 without the checks: for a step dspark_paged_step_check passed. */
+int dspark_paged_attention_checked_f32(const float *q, const float *k_new, const float *v_new, float *k_pool,
+                                       float *v_pool, const int64_t *write_index, const int32_t *key_index,
+                                       const int64_t *key_base, const int64_t *key_lo, const int64_t *key_hi,
+                                       int64_t N, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out) {
+    const int64_t group = Hq / Hkv;
     const size_t token = (size_t)(Hkv * D);
     for (int64_t n = 0; n < N; ++n) {
         memcpy(k_pool + write_index[n] * token, k_new + n * token, token * sizeof(float));
@@ -322,6 +330,18 @@ int dspark_paged_attention_f32(const float *q, const float *k_new, const float *
         }
     dspark_pool_run(paged_pairs, &job, N * Hkv, keys_read * Hq * D * 2 * (int64_t)sizeof(float));
     return atomic_load(&job.failed) ? -5 : 0;
+}
+
+int dspark_paged_attention_f32(const float *q, const float *k_new, const float *v_new, float *k_pool,
+                               float *v_pool, const int64_t *write_index, const int32_t *key_index,
+                               int64_t key_count, const int64_t *key_base, const int64_t *key_lo,
+                               const int64_t *key_hi, int64_t N, int64_t P, int64_t Hq, int64_t Hkv,
+                               int64_t D, float scale, float *out) {
+    const int code = dspark_paged_step_check(write_index, key_index, key_count, key_base, key_lo, key_hi, N, P, Hq,
+                                             Hkv, D);
+    if (code != 0) return code;
+    return dspark_paged_attention_checked_f32(q, k_new, v_new, k_pool, v_pool, write_index, key_index, key_base,
+                                              key_lo, key_hi, N, Hq, Hkv, D, scale, out);
 }
 
 /* The draft's window cache (RingAttention): each slot's ring holds position p at ring index

@@ -14,8 +14,8 @@
  * matmuls and the attention keep that themselves), so a row's result is the same bits whatever
  * rows share its step. The final norm, the embedding and the LM head stay with the caller.
  *
- * Returns 0; -1 a matmul refused (its shapes or type), -2 the attention refused (its indices or
- * heads), -3 no memory.
+ * Returns 0; -1 a matmul refused (its shapes or type), -2 the attention refused the step (its
+ * indices or heads: checked once, before anything is written), -3 no memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,11 +30,13 @@ int dspark_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *w
 int dspark_quant_gemm_q8act(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                             int qtype, const float *bias, float *y, uint8_t *scratch);
 int64_t dspark_quant_gemm_q8act_scratch(int qtype, int64_t M, int64_t K);
-int dspark_paged_attention_f32(const float *q, const float *k_new, const float *v_new, float *k_pool,
-                               float *v_pool, const int64_t *write_index, const int32_t *key_index,
-                               int64_t key_count, const int64_t *key_base, const int64_t *key_lo,
-                               const int64_t *key_hi, int64_t N, int64_t P, int64_t Hq, int64_t Hkv,
-                               int64_t D, float scale, float *out);
+int dspark_paged_step_check(const int64_t *write_index, const int32_t *key_index, int64_t key_count,
+                            const int64_t *key_base, const int64_t *key_lo, const int64_t *key_hi, int64_t N,
+                            int64_t P, int64_t Hq, int64_t Hkv, int64_t D);
+int dspark_paged_attention_checked_f32(const float *q, const float *k_new, const float *v_new, float *k_pool,
+                                       float *v_pool, const int64_t *write_index, const int32_t *key_index,
+                                       const int64_t *key_base, const int64_t *key_lo, const int64_t *key_hi,
+                                       int64_t N, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out);
 
 /* One linear kept as blocks: [n, row_bytes] of GGUF type qtype; int8: activations rounded to int8
  * per block (quant_gemm.c's int8 path). */
@@ -144,6 +146,10 @@ void dspark_silu_mul_f32(const float *gu, int64_t N, int64_t I, float *act) { si
 int dspark_decoder_f32(const DecoderLayer *layers, int64_t L, float *const *k_pools, float *const *v_pools,
                        const DecoderStep *step, float *x, int64_t N, int64_t H, int64_t Hq, int64_t Hkv,
                        int64_t D, int64_t I, float eps, float scale, const float *cos, const float *sin) {
+    /* The step's indices once, before anything is written (every layer attends over the same ones). */
+    if (dspark_paged_step_check(step->write_index, step->table, step->table_numel, step->key_base, step->key_lo,
+                                step->key_hi, N, step->pool_rows, Hq, Hkv, D) != 0)
+        return -2;
     const int64_t nq = Hq * D, nkv = Hkv * D, width = nq + 2 * nkv;
     int64_t records = 0;
     for (int64_t l = 0; l < L; ++l) {
@@ -176,10 +182,10 @@ int dspark_decoder_f32(const DecoderLayer *layers, int64_t L, float *const *k_po
             memcpy(kn + n * nkv, qkv + n * width + nq, (size_t)nkv * sizeof(float));
             memcpy(vn + n * nkv, qkv + n * width + nq + nkv, (size_t)nkv * sizeof(float));
         }
-        if (dspark_paged_attention_f32(q, kn, vn, k_pools[l], v_pools[l], step->write_index, step->table,
-                                       step->table_numel, step->key_base, step->key_lo, step->key_hi, N,
-                                       step->pool_rows, Hq, Hkv, D, scale, att) != 0) {
-            code = -2;
+        if (dspark_paged_attention_checked_f32(q, kn, vn, k_pools[l], v_pools[l], step->write_index, step->table,
+                                               step->key_base, step->key_lo, step->key_hi, N, Hq, Hkv, D, scale,
+                                               att) != 0) {
+            code = -3; /* its only failure left: a worker's scratch */
             break;
         }
         if ((code = gemm(&ly->o, att, N, nq, h, scratch)) != 0) break;
